@@ -1,0 +1,20 @@
+"""Batch invariance: the switch and the ops megatron-core lacks on the non-TE path."""
+
+from megatron_rl_bi.bi.ops import rms_norm, selective_log_softmax
+from megatron_rl_bi.bi.switch import (
+    BatchInvariantModeError,
+    batch_invariant,
+    disable,
+    enable,
+    enabled,
+)
+
+__all__ = [
+    "BatchInvariantModeError",
+    "batch_invariant",
+    "disable",
+    "enable",
+    "enabled",
+    "rms_norm",
+    "selective_log_softmax",
+]

@@ -1,0 +1,55 @@
+"""The one batch-invariance switch.
+
+Turning it on routes aten mm/addmm/_log_softmax/mean.dim to megatron-core's batch-invariant Triton
+kernels (and, when TransformerEngine is installed, patches TE's GEMM and RMSNorm entry points the
+way megatron-core does). Modules of this package ask `enabled()` at forward time; nobody threads a
+flag through call chains.
+
+Departure from upstream: enabling is atomic. megatron-core's own `enable_batch_invariant_mode()`
+can fail half way (see compat.transformer_engine_optional); here a failure rolls everything back
+and raises one `BatchInvariantModeError`.
+"""
+
+import contextlib
+from collections.abc import Iterator
+
+from megatron.core.transformer.custom_layers import batch_invariant_kernels as _mcore_bik
+
+from megatron_rl_bi import compat
+
+
+class BatchInvariantModeError(RuntimeError):
+    """Batch-invariant mode could not be entered; nothing was left enabled."""
+
+
+def enabled() -> bool:
+    return _mcore_bik.is_batch_invariant_mode_enabled()
+
+
+def enable() -> None:
+    if enabled():
+        return
+    try:
+        with compat.transformer_engine_optional():
+            _mcore_bik.enable_batch_invariant_mode()
+    except Exception as exc:
+        _mcore_bik.disable_batch_invariant_mode()
+        raise BatchInvariantModeError(
+            f"could not enable batch-invariant mode ({type(exc).__name__}: {exc}); "
+            "every override was rolled back"
+        ) from exc
+
+
+def disable() -> None:
+    _mcore_bik.disable_batch_invariant_mode()
+
+
+@contextlib.contextmanager
+def batch_invariant(on: bool = True) -> Iterator[None]:
+    """Runs the block with the switch set to `on`, then restores the previous state."""
+    was_on = enabled()
+    enable() if on else disable()
+    try:
+        yield
+    finally:
+        enable() if was_on else disable()

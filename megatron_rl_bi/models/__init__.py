@@ -1,0 +1,1 @@
+"""Model definitions shared by trainer and engine: layer specs and the modules they pick."""

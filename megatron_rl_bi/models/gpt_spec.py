@@ -1,0 +1,74 @@
+"""Dense GPT layer spec: megatron-core's own spec with the kernels parity needs swapped in.
+
+Both variants take megatron-core's layer structure unchanged and only choose kernels:
+- core attention -> FlashCoreAttention (the FlashAttention generation the engine calls);
+- local (non-TE) norms -> models.norm.RMSNorm (batch-invariant under the switch).
+With TE, TE's linears and norms stay: megatron-core's BI mode patches their GEMM and RMSNorm.
+"""
+
+import dataclasses
+
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_rl_bi import compat
+from megatron_rl_bi.attention import FlashCoreAttention
+from megatron_rl_bi.models.norm import RMSNorm
+
+
+def _with_flash_attention(attention: ModuleSpec) -> ModuleSpec:
+    submodules = dataclasses.replace(attention.submodules, core_attention=FlashCoreAttention)
+    return dataclasses.replace(attention, submodules=submodules)
+
+
+def dense_gpt_layer_spec(transformer_impl: str, qk_layernorm: bool = False) -> ModuleSpec:
+    """transformer_impl: 'local' or 'transformer_engine' (Megatron's --transformer-impl)."""
+    if transformer_impl == "transformer_engine":
+        if not compat.transformer_engine_installed():
+            raise ImportError(
+                "--transformer-impl transformer_engine needs TransformerEngine: "
+                "pip install 'megatron_rl_bi[te]', or pass --transformer-impl local"
+            )
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        layer = dataclasses.replace(
+            spec.submodules, self_attention=_with_flash_attention(spec.submodules.self_attention)
+        )
+        return dataclasses.replace(spec, submodules=layer)
+    if transformer_impl != "local":
+        raise ValueError(f"--transformer-impl {transformer_impl}: expected local or transformer_engine")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    attention = _with_flash_attention(spec.submodules.self_attention)
+    if qk_layernorm:
+        attention = dataclasses.replace(
+            attention,
+            submodules=dataclasses.replace(
+                attention.submodules, q_layernorm=RMSNorm, k_layernorm=RMSNorm
+            ),
+        )
+    layer = dataclasses.replace(
+        spec.submodules,
+        input_layernorm=RMSNorm,
+        self_attention=attention,
+        pre_mlp_layernorm=RMSNorm,
+    )
+    return dataclasses.replace(spec, submodules=layer)
+
+
+def dense_gpt_block_spec(
+    config: TransformerConfig, transformer_impl: str, qk_layernorm: bool = False
+) -> TransformerBlockSubmodules:
+    """All `config.num_layers` layers plus the final norm, which megatron-core would otherwise
+    default to its own (unpatched, non-TE) torch norm."""
+    layer = dense_gpt_layer_spec(transformer_impl, qk_layernorm)
+    if transformer_impl == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        final_norm = TENorm
+    else:
+        final_norm = RMSNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers, layer_norm=final_norm)

@@ -1,0 +1,1 @@
+"""RL pieces downstream of the engine: packing, parity, advantages, losses, the loop."""

@@ -1,0 +1,51 @@
+"""Trainer-vs-engine logprob comparison: the `bit_wise/*` metrics.
+
+Compared in the trainer's logprob dtype (fp32 from `bi.selective_log_softmax`, so stricter than
+a bf16 comparison): the engine's logprobs are cast to it, and only positions the engine actually
+reported count. Equal values (including matching infinities) count as equal; a NaN on either side
+counts as different.
+"""
+
+import torch
+
+METRIC_KEYS = (
+    "bit_wise/logprob_diff/mean",
+    "bit_wise/logprob_diff/abs_mean",
+    "bit_wise/logprob_diff/max",
+    "bit_wise/ratio_tokens_different",
+    "bit_wise/tokens",
+)
+
+
+def parity_metrics(
+    train_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, reported_mask: torch.Tensor
+) -> dict[str, float]:
+    """train_logprobs, engine_logprobs, reported_mask: same shape (e.g. [T] packed).
+
+    Returns mean (signed, trainer minus engine), abs_mean and max (of |diff|) over reported
+    positions, the fraction of reported tokens whose bits differ, and the count compared.
+    With no reported position the diffs are NaN: a parity of 0 over 0 tokens proves nothing.
+    """
+    if not (train_logprobs.shape == engine_logprobs.shape == reported_mask.shape):
+        raise ValueError(
+            "parity_metrics needs equal shapes, got "
+            f"{tuple(train_logprobs.shape)}, {tuple(engine_logprobs.shape)}, "
+            f"{tuple(reported_mask.shape)}"
+        )
+    mask = reported_mask.to(device=train_logprobs.device, dtype=torch.bool)
+    train = train_logprobs.detach()[mask]
+    engine = engine_logprobs.detach().to(device=train.device, dtype=train.dtype)[mask]
+    tokens = int(mask.sum())
+    if tokens == 0:
+        nan = float("nan")
+        return dict(zip(METRIC_KEYS, (nan, nan, nan, nan, 0)))
+    same = train == engine
+    diff = torch.where(same, torch.zeros_like(train), train - engine).double()
+    abs_diff = torch.where(same, torch.zeros_like(diff), diff.abs().nan_to_num(nan=float("inf")))
+    return {
+        "bit_wise/logprob_diff/mean": diff.mean().item(),
+        "bit_wise/logprob_diff/abs_mean": abs_diff.mean().item(),
+        "bit_wise/logprob_diff/max": abs_diff.max().item(),
+        "bit_wise/ratio_tokens_different": (~same).double().mean().item(),
+        "bit_wise/tokens": tokens,
+    }

@@ -1,0 +1,25 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_rl_bi",
+    version="0.1.0",
+    description="GRPO/DAPO on megatron-core with bitwise trainer/generator logprob parity",
+    packages=find_packages(include=["megatron_rl_bi", "megatron_rl_bi.*"]),
+    python_requires=">=3.12",
+    install_requires=[
+        "megatron-core==0.19.2",
+        "fla-core==0.6.0",
+        "flash-linear-attention==0.6.0",
+        "torch>=2.8",
+        "einops",
+        "numpy",
+        "pyyaml",
+    ],
+    extras_require={
+        # FlashAttention-4 (CuTe DSL) runs on Hopper and Blackwell; FA3 is a source build
+        # (flash_attn_3 from the hopper/ folder of flash-attention) and has no extra here.
+        "fa4": ["flash-attn-4==4.0.0b36"],
+        "te": ["transformer-engine[pytorch]"],
+        "test": ["pytest"],
+    },
+)
