@@ -1,0 +1,119 @@
+"""Megatron argument parsing extended for megatron_rl_bi, and the checks that run before any GPU work.
+
+Megatron's own parser already has `--batch-invariant-mode`, `--flash-attention-version`,
+`--transformer-impl`, the model sizes and the optimizer; `add_defaults` only changes defaults that
+would otherwise fail or break parity here, and `validate_batch_invariance` turns the asserts that
+megatron-core would raise deep inside model construction into one error naming every bad flag.
+"""
+
+import argparse
+
+from megatron.core.transformer.enums import AttnBackend
+
+from megatron_rl_bi import compat
+
+
+def add_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    defaults = dict(
+        # Trainer (THD, per sequence) and engine (per token) must apply the same unfused rope.
+        apply_rope_fusion=False,
+        # torch.compile'd fusions: left out so the eager kernels are what both sides run.
+        bias_dropout_fusion=False,
+        bias_swiglu_fusion=False,
+        bias_gelu_fusion=False,
+        masked_softmax_fusion=False,
+        attention_backend=AttnBackend.flash,
+        transformer_impl="transformer_engine" if compat.transformer_engine_installed() else "local",
+        normalization="RMSNorm",
+        position_embedding_type="rope",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    if not compat.transformer_engine_installed():
+        # These need TE or apex kernels.
+        defaults.update(gradient_accumulation_fusion=False, no_persist_layer_norm=True)
+    parser.set_defaults(**defaults)
+    return parser
+
+
+def _flash_attention_error(version: int) -> str | None:
+    from megatron_rl_bi.attention import flash_varlen_function
+
+    try:
+        flash_varlen_function(version)
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+def validate_batch_invariance(args: argparse.Namespace, check_installed: bool = True) -> None:
+    """Raises one ValueError listing every flag that breaks trainer/engine parity."""
+    errors = []
+    if args.tensor_model_parallel_size != 1:
+        errors.append(
+            f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: only TP=1 is "
+            "supported (use data parallelism)"
+        )
+    if args.pipeline_model_parallel_size != 1:
+        errors.append(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: only PP=1")
+    if args.apply_rope_fusion:
+        errors.append("rope fusion must be off (--no-rope-fusion): the engine applies rope unfused")
+    if args.batch_invariant_mode:
+        version = args.flash_attention_version
+        if version is None:
+            errors.append("--batch-invariant-mode needs --flash-attention-version 3 or 4")
+        elif version == 2:
+            errors.append(
+                "--flash-attention-version 2 cannot be used with --batch-invariant-mode: FA2 has "
+                "no fixed num_splits schedule; use 3 or 4"
+            )
+        elif check_installed and (problem := _flash_attention_error(version)):
+            errors.append(problem)
+        if args.context_parallel_size != 1:
+            errors.append(
+                f"--context-parallel-size {args.context_parallel_size} with --batch-invariant-mode: "
+                "context parallelism runs TE's own attention kernels; use 1"
+            )
+        for flag in ("attention_dropout", "hidden_dropout"):
+            if getattr(args, flag) > 0:
+                errors.append(
+                    f"--{flag.replace('_', '-')} {getattr(args, flag)} with --batch-invariant-mode: "
+                    "dropout masks are not batch-invariant; use 0"
+                )
+        if args.attention_backend != AttnBackend.flash:
+            errors.append(
+                f"--attention-backend {args.attention_backend.name} with --batch-invariant-mode: "
+                "use flash"
+            )
+        if args.normalization != "RMSNorm":
+            errors.append(
+                f"--normalization {args.normalization} with --batch-invariant-mode: only RMSNorm "
+                "has a batch-invariant kernel"
+            )
+    if errors:
+        raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))
+
+
+def parse_args(argv: list[str] | None = None, extra_args_provider=None) -> argparse.Namespace:
+    """Megatron's parser + our defaults (+ the caller's flags), then our checks, then Megatron's.
+
+    `argv` defaults to sys.argv[1:]; Megatron's parse_args only reads sys.argv.
+    """
+    import sys
+
+    from megatron.training.arguments import parse_args as megatron_parse_args
+    from megatron.training.arguments import validate_args
+
+    def provider(parser):
+        parser = add_defaults(parser)
+        return extra_args_provider(parser) if extra_args_provider else parser
+
+    saved_argv = sys.argv
+    sys.argv = [saved_argv[0], *(saved_argv[1:] if argv is None else argv)]
+    try:
+        args = megatron_parse_args(provider)
+    finally:
+        sys.argv = saved_argv
+    validate_batch_invariance(args)
+    validate_args(args)
+    return args

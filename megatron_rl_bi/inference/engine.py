@@ -1,0 +1,186 @@
+"""Rollouts from megatron-core's DynamicInferenceEngine on the same GPTModel the trainer updates.
+
+No weight conversion: the engine wraps the trainer's module, so an optimizer step is seen by the
+next `generate()`. Prefix caching and chunked prefill stay off: both change which logits a prompt
+position gets (and prefix caching would keep old-weight KV across steps).
+
+megatron-core's engine sets a process-wide `InferenceMode` flag at construction and never clears
+it; while set, GPTModel asserts inference-style output gathering. `generate()` sets it only for
+the duration of a generation, so the trainer's forward between generations runs normally.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.inference.config import InferenceConfig
+from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
+from megatron.core.inference.inference_request import Status
+from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
+    GPTInferenceWrapper,
+)
+from megatron.core.inference.sampling_params import SamplingParams
+from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+    TextGenerationController,
+)
+from megatron.core.inference.utils import InferenceMode
+
+from megatron_rl_bi import bi
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """Sizes of the dynamic engine's KV cache and step budget."""
+
+    max_requests: int = 64
+    """Requests decoded together in one step."""
+    max_tokens: int = 8192
+    """Tokens per engine step; must be at least the longest prompt (no chunked prefill)."""
+    max_sequence_length: int = 2048
+    """Prompt + generated tokens of one request."""
+    buffer_size_gb: float = 4.0
+    """KV cache size; too small a cache pauses and evicts requests (they still finish)."""
+    block_size_tokens: int = 256
+    """Tokens per KV block (FlashAttention page)."""
+    prompt_logprobs: bool = False
+    """Also report logprobs of prompt tokens 2..P (costs logits for every prompt token)."""
+
+
+@dataclass(kw_only=True)
+class Sampling:
+    """How tokens are drawn. top_k=1 is greedy (the engine rejects temperature 0)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 0.0
+    eod_id: int | None = None
+    """Stop a request when it samples this token (the token is kept, with its logprob)."""
+    seed: int = 1234
+    """Seeds the engine's sampling generator before each generate() call."""
+
+
+@dataclass
+class Generation:
+    """One finished request. Logprobs are the engine's fp32 values (as Python floats)."""
+
+    prompt_tokens: list[int]
+    generated_tokens: list[int]
+    prompt_logprobs: list[float] | None  # [P - 1] for tokens 2..P, None if not requested
+    generated_logprobs: list[float]  # [G]
+    stopped_on_eod: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_tokens + self.generated_tokens
+
+    def reported_logprobs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per predicting position (token k + 1 at index k, length L - 1): the engine's logprobs
+        (fp64 holding fp32 values) and the mask of positions the engine actually reported."""
+        num_prompt = len(self.prompt_tokens) - 1
+        prompt = self.prompt_logprobs if self.prompt_logprobs is not None else [0.0] * num_prompt
+        values = torch.tensor(prompt + self.generated_logprobs, dtype=torch.float64)
+        mask = torch.ones(values.numel(), dtype=torch.bool)
+        if self.prompt_logprobs is None:
+            mask[:num_prompt] = False
+        return values, mask
+
+
+class _TokenIdsOnly:
+    """The engine detokenizes every finished request; rollouts here stay token ids."""
+
+    def detokenize(self, tokens, skip_special_tokens=True):
+        return ""
+
+
+class Generator:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig):
+        if model.config.batch_invariant_mode != bi.enabled():
+            raise ValueError(
+                f"model built with batch_invariant_mode={model.config.batch_invariant_mode} "
+                f"but the BI switch is {'on' if bi.enabled() else 'off'}: build the model after "
+                "setting the switch (--batch-invariant-mode)"
+            )
+        self.model = model
+        self.config = config
+        inference_config = InferenceConfig(
+            block_size_tokens=config.block_size_tokens,
+            buffer_size_gb=config.buffer_size_gb,
+            max_requests=config.max_requests,
+            max_tokens=config.max_tokens,
+            max_sequence_length=config.max_sequence_length,
+            materialize_only_last_token_logits=not config.prompt_logprobs,
+            enable_prefix_caching=False,
+            enable_chunked_prefill=False,
+            logprobs_mode="raw_logprobs",
+            num_cuda_graphs=None,
+        )
+        context = DynamicInferenceContext(model.config, inference_config)
+        controller = TextGenerationController(GPTInferenceWrapper(model, context), _TokenIdsOnly())
+        self.engine = DynamicInferenceEngine(controller, context)
+        InferenceMode.unset_active()
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: Sampling,
+        max_new_tokens: list[int] | None = None,
+    ) -> list[Generation]:
+        """Runs every prompt to completion; results in prompt order. `max_new_tokens` overrides
+        `sampling.max_new_tokens` per prompt."""
+        if max_new_tokens is None:
+            max_new_tokens = [sampling.max_new_tokens] * len(prompts)
+        if len(max_new_tokens) != len(prompts):
+            raise ValueError(f"{len(max_new_tokens)} max_new_tokens for {len(prompts)} prompts")
+        too_long = [i for i, p in enumerate(prompts) if len(p) > self.config.max_tokens]
+        if too_long:
+            raise ValueError(
+                f"prompts {too_long[:5]} are longer than the engine's max_tokens "
+                f"({self.config.max_tokens}); raise --inference-max-tokens"
+            )
+        params = [
+            SamplingParams(
+                temperature=sampling.temperature,
+                top_k=sampling.top_k,
+                top_p=sampling.top_p,
+                num_tokens_to_generate=num_new,
+                termination_id=-1 if sampling.eod_id is None else sampling.eod_id,
+                return_log_probs=True,
+                skip_prompt_log_probs=not self.config.prompt_logprobs,
+            )
+            for num_new in max_new_tokens
+        ]
+        was_training = self.model.training
+        self.model.eval()
+        InferenceMode.set_active()
+        try:
+            self.engine.reset()
+            self.engine.controller.sampling_rng.manual_seed(sampling.seed)
+            device = torch.cuda.current_device()
+            futures = [
+                self.engine.add_request(
+                    request_id, torch.tensor(prompt, dtype=torch.int64, device=device), request_params
+                )
+                for request_id, (prompt, request_params) in enumerate(zip(prompts, params))
+            ]
+            while self.engine.has_unfinished_requests():
+                self.engine.step_modern()
+            records = [future.result().merge() for future in futures]
+        finally:
+            InferenceMode.unset_active()
+            self.model.train(was_training)
+        return [self._to_generation(record, sampling) for record in records]
+
+    def _to_generation(self, request, sampling: Sampling) -> Generation:
+        if request.status != Status.COMPLETED:
+            raise RuntimeError(f"engine request {request.request_id} ended {request.status}")
+        generated = list(request.generated_tokens)
+        prompt_logprobs = list(request.prompt_log_probs) if self.config.prompt_logprobs else None
+        return Generation(
+            prompt_tokens=request.prompt_tokens.tolist(),
+            generated_tokens=generated,
+            prompt_logprobs=prompt_logprobs,
+            generated_logprobs=list(request.generated_log_probs),
+            stopped_on_eod=sampling.eod_id is not None and generated[-1:] == [sampling.eod_id],
+        )

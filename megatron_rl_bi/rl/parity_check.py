@@ -1,0 +1,107 @@
+"""Engine-vs-trainer parity on one set of requests: generate, recompute, compare.
+
+Used by tools/check_parity.py and the GPU tests. The trainer side runs in training mode with
+autograd on, exactly as the RL step does, in packed micro-batches of at most
+`micro_batch_tokens` tokens (so different trainer batch shapes are exercised too).
+"""
+
+import random
+
+import torch
+
+from megatron_rl_bi.inference import Generation, Generator, Sampling
+from megatron_rl_bi.models.logprobs import forward_logprobs
+from megatron_rl_bi.rl.packing import pack_sequences, pack_token_values
+from megatron_rl_bi.rl.parity import parity_metrics
+
+
+def random_requests(
+    num_requests: int,
+    prompt_lengths: tuple[int, int],
+    max_new_tokens: tuple[int, int],
+    vocab_size: int,
+    seed: int,
+) -> tuple[list[list[int]], list[int]]:
+    """Prompts of uniformly mixed lengths and decode budgets; the first request gets the
+    shortest prompt and the longest budget, the second the longest prompt, so both ends are hit."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(*prompt_lengths) for _ in range(num_requests)]
+    budgets = [rng.randint(*max_new_tokens) for _ in range(num_requests)]
+    lengths[0], budgets[0] = prompt_lengths[0], max_new_tokens[1]
+    if num_requests > 1:
+        lengths[1] = prompt_lengths[1]
+    prompts = [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+    return prompts, budgets
+
+
+def _micro_batches(generations: list[Generation], micro_batch_tokens: int):
+    batch, tokens = [], 0
+    for generation in generations:
+        length = len(generation.tokens)
+        if batch and tokens + length > micro_batch_tokens:
+            yield batch
+            batch, tokens = [], 0
+        batch.append(generation)
+        tokens += length
+    if batch:
+        yield batch
+
+
+def trainer_vs_engine(
+    model: torch.nn.Module, generations: list[Generation], micro_batch_tokens: int
+) -> dict[str, torch.Tensor]:
+    """Packed per-position tensors: trainer and engine logprobs, the engine-reported mask and
+    the generated-token mask."""
+    parts = {"train": [], "engine": [], "reported": [], "generated": []}
+    model.train()
+    for group in _micro_batches(generations, micro_batch_tokens):
+        batch = pack_sequences([g.tokens for g in group])
+        reported = [g.reported_logprobs() for g in group]
+        generated = [
+            torch.arange(len(g.tokens) - 1) >= len(g.prompt_tokens) - 1 for g in group
+        ]
+        parts["train"].append(forward_logprobs(model, batch.to("cuda")).detach().cpu())
+        parts["engine"].append(pack_token_values([values for values, _ in reported], batch))
+        parts["reported"].append(pack_token_values([mask for _, mask in reported], batch))
+        parts["generated"].append(pack_token_values(generated, batch))
+    return {name: torch.cat(tensors) for name, tensors in parts.items()}
+
+
+def _metrics(compared: dict[str, torch.Tensor]) -> dict:
+    train, engine, reported = compared["train"], compared["engine"], compared["reported"]
+    return {
+        "all_reported": parity_metrics(train, engine, reported),
+        "generated_only": parity_metrics(train, engine, reported & compared["generated"]),
+    }
+
+
+def run_parity(
+    model: torch.nn.Module,
+    generator: Generator,
+    prompts: list[list[int]],
+    budgets: list[int],
+    sampling: Sampling,
+    micro_batch_tokens: int,
+    orders: int = 2,
+) -> dict:
+    """Generates the requests in `orders` admission orders (as given, then shuffled with the
+    sampling seed), compares each run against the trainer, and pools all runs."""
+    runs, pooled = [], []
+    order = list(range(len(prompts)))
+    for run in range(orders):
+        if run > 0:
+            random.Random(sampling.seed + run).shuffle(order)
+        generations = generator.generate(
+            [prompts[i] for i in order], sampling, [budgets[i] for i in order]
+        )
+        compared = trainer_vs_engine(model, generations, micro_batch_tokens)
+        pooled.append(compared)
+        runs.append(
+            {
+                "order_head": order[:8],
+                "generated_tokens": sum(len(g.generated_tokens) for g in generations),
+                **_metrics(compared),
+            }
+        )
+    total = {name: torch.cat([c[name] for c in pooled]) for name in pooled[0]}
+    return {"runs": runs, **_metrics(total)}

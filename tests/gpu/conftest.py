@@ -1,0 +1,29 @@
+import pytest
+import torch
+
+TINY_DENSE_ARGS = [
+    "--num-layers", "4", "--hidden-size", "512", "--ffn-hidden-size", "1408",
+    "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2",
+    "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16",
+    "--seq-length", "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "1",
+    "--flash-attention-version", "4", "--seed", "1234",
+]
+VOCAB_SIZE = 32000
+
+
+@pytest.fixture(scope="session")
+def distributed():
+    from megatron_rl_bi.models.build import initialize_distributed
+
+    initialize_distributed(seed=1234)
+    yield
+
+
+def build_dense(batch_invariant: bool, extra: list[str] = ()):
+    from megatron_rl_bi.config import parse_args
+    from megatron_rl_bi.models.build import build_gpt_model, set_batch_invariance
+
+    args = parse_args(TINY_DENSE_ARGS + (["--batch-invariant-mode"] if batch_invariant else []) + list(extra))
+    set_batch_invariance(args)
+    torch.manual_seed(1234)
+    return build_gpt_model(args, VOCAB_SIZE)

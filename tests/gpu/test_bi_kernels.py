@@ -1,0 +1,77 @@
+"""One torch.equal test per batch-invariant kernel used: rows of a batch == the rows alone."""
+
+import pytest
+import torch
+
+from megatron_rl_bi import bi
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def bi_on():
+    with bi.batch_invariant():
+        yield
+
+
+def _rows_alone_equal(fn, x, row_groups):
+    full = fn(x)
+    for rows in row_groups:
+        assert torch.equal(fn(x[rows]), full[rows]), f"rows {rows} differ from the full batch"
+
+
+def test_matmul_rows_invariant(bi_on):
+    torch.manual_seed(0)
+    a = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1408, 2048, device="cuda", dtype=torch.bfloat16)
+    linear = lambda x: torch.nn.functional.linear(x, w)  # noqa: E731
+    _rows_alone_equal(linear, a, [slice(0, 1), slice(5, 12), slice(100, 1100), slice(4095, 4096)])
+
+
+def test_rms_norm_rows_invariant(bi_on):
+    torch.manual_seed(0)
+    x = torch.randn(3000, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    norm = lambda rows: bi.rms_norm(rows, weight, 1e-5)  # noqa: E731
+    _rows_alone_equal(norm, x, [slice(0, 1), slice(7, 300), slice(2999, 3000)])
+
+
+def test_selective_log_softmax_rows_invariant(bi_on):
+    torch.manual_seed(0)
+    logits = torch.randn(2500, 32000, device="cuda", dtype=torch.bfloat16) * 3
+    tokens = torch.randint(0, 32000, (2500,), device="cuda")
+    full = bi.selective_log_softmax(logits, tokens)
+    for rows in (slice(0, 1), slice(3, 700), slice(2499, 2500)):
+        assert torch.equal(bi.selective_log_softmax(logits[rows], tokens[rows]), full[rows])
+
+
+def test_flash_attention_packed_equals_alone(bi_on):
+    """The trainer's core attention: a sequence packed with others == the sequence alone."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_rl_bi.attention import FlashCoreAttention
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2,
+        flash_attention_version=4, bf16=True, params_dtype=torch.bfloat16,
+    )
+    attention = FlashCoreAttention(config, 1, None, "self")
+    torch.manual_seed(0)
+    lengths = [1, 37, 500, 129]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    total = sum(lengths)
+    q = torch.randn(total, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(total, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(total, 2, 64, device="cuda", dtype=torch.bfloat16)
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    def run(cu_seqlens, max_len, rows):
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                 max_seqlen_q=max_len, max_seqlen_kv=max_len)
+        return attention(q[rows], k[rows], v[rows], None, packed_seq_params=params)
+
+    packed = run(cu, max(lengths), slice(0, total))
+    for i, length in enumerate(lengths):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        alone = run(torch.tensor([0, length], dtype=torch.int32, device="cuda"), length, rows)
+        assert torch.equal(alone, packed[rows]), f"sequence {i} (length {length}) differs"

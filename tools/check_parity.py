@@ -1,0 +1,139 @@
+"""Engine vs trainer logprob parity for a GPT model built from Megatron flags; writes JSON.
+
+  python tools/check_parity.py --flash-attention-version 4 --parity-modes bi default \
+      --num-layers 4 --hidden-size 512 ... --parity-output results/parity_dense_h200.json
+
+For each mode ('bi': the batch-invariance switch on; 'default': stock kernels) it builds the model
+(the same weights in every mode), generates the requests with megatron-core's
+DynamicInferenceEngine in two admission orders, recomputes every engine-reported logprob with a
+packed trainer forward, and records the `bit_wise` metrics.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_rl_bi.config import parse_args, validate_batch_invariance  # noqa: E402
+from megatron_rl_bi.inference import EngineConfig, Generator, Sampling  # noqa: E402
+from megatron_rl_bi.models.build import (  # noqa: E402
+    build_gpt_model,
+    initialize_distributed,
+    set_batch_invariance,
+)
+from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
+from megatron_rl_bi.rl.parity_check import random_requests, run_parity  # noqa: E402
+
+MODES = ("bi", "default")
+
+
+def add_parity_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("parity check")
+    group.add_argument("--parity-modes", nargs="+", choices=MODES, default=list(MODES),
+                       help="kernel modes to compare engine and trainer in")
+    group.add_argument("--parity-vocab-size", type=int, default=32000,
+                       help="vocabulary of the random-token requests (the model pads it)")
+    group.add_argument("--parity-requests", type=int, default=32, help="requests per order")
+    group.add_argument("--parity-prompt-lengths", type=int, nargs=2, default=[1, 500],
+                       metavar=("MIN", "MAX"), help="prompt lengths, uniformly mixed")
+    group.add_argument("--parity-max-new-tokens", type=int, nargs=2, default=[1, 256],
+                       metavar=("MIN", "MAX"), help="per-request decode budgets, uniformly mixed")
+    group.add_argument("--parity-orders", type=int, default=2,
+                       help="admission orders to generate the same requests in")
+    group.add_argument("--parity-micro-batch-tokens", type=int, default=8192,
+                       help="tokens per packed trainer forward")
+    group.add_argument("--parity-temperature", type=float, default=1.0)
+    group.add_argument("--parity-output", default=None, help="JSON file to write")
+    group.add_argument("--inference-max-requests", type=int, default=64)
+    group.add_argument("--inference-max-tokens", type=int, default=8192)
+    group.add_argument("--inference-buffer-size-gb", type=float, default=4.0)
+    return parser
+
+
+def check_request_sizes(args: argparse.Namespace) -> None:
+    longest = args.parity_prompt_lengths[1] + args.parity_max_new_tokens[1]
+    if longest > args.max_position_embeddings:
+        raise ValueError(
+            f"--parity-prompt-lengths/--parity-max-new-tokens allow {longest} tokens but "
+            f"--max-position-embeddings is {args.max_position_embeddings}"
+        )
+    if args.parity_prompt_lengths[1] > args.inference_max_tokens:
+        raise ValueError("--inference-max-tokens must cover the longest prompt")
+    if "bi" in args.parity_modes:
+        validate_batch_invariance(argparse.Namespace(**{**vars(args), "batch_invariant_mode": True}))
+
+
+def summarize(result: dict) -> dict:
+    """The flat keys of the result file, from the pooled all-reported metrics."""
+    metrics = result["all_reported"]
+    return {
+        "mean": metrics["bit_wise/logprob_diff/mean"],
+        "abs_mean": metrics["bit_wise/logprob_diff/abs_mean"],
+        "max": metrics["bit_wise/logprob_diff/max"],
+        "ratio_tokens_different": metrics["bit_wise/ratio_tokens_different"],
+        "tokens": metrics["bit_wise/tokens"],
+        **result,
+    }
+
+
+def main() -> None:
+    args = parse_args(extra_args_provider=add_parity_args)
+    check_request_sizes(args)
+    initialize_distributed(args.seed)
+    prompts, budgets = random_requests(
+        args.parity_requests, tuple(args.parity_prompt_lengths),
+        tuple(args.parity_max_new_tokens), args.parity_vocab_size, args.seed,
+    )
+    engine_config = EngineConfig(
+        max_requests=args.inference_max_requests,
+        max_tokens=args.inference_max_tokens,
+        max_sequence_length=args.max_position_embeddings,
+        buffer_size_gb=args.inference_buffer_size_gb,
+        prompt_logprobs=True,
+    )
+    sampling = Sampling(temperature=args.parity_temperature, seed=args.seed)
+    report = {**provenance(), "model": {}, "engine": vars(engine_config), "requests": {}}
+    weights = None
+    for mode in args.parity_modes:
+        args.batch_invariant_mode = mode == "bi"
+        set_batch_invariance(args)
+        model = build_gpt_model(args, args.parity_vocab_size)
+        if weights is None:
+            weights = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                       for k, v in model.state_dict().items()}
+        else:
+            model.load_state_dict(weights)
+        generator = Generator(model, engine_config)
+        result = run_parity(model, generator, prompts, budgets, sampling,
+                            args.parity_micro_batch_tokens, args.parity_orders)
+        report[mode] = summarize(result)
+        print(f"[parity] {mode}: " + json.dumps({k: report[mode][k] for k in
+              ("abs_mean", "max", "ratio_tokens_different", "tokens")}), flush=True)
+        del generator, model
+        torch.cuda.empty_cache()
+    report["model"] = {
+        "num_layers": args.num_layers, "hidden_size": args.hidden_size,
+        "ffn_hidden_size": args.ffn_hidden_size, "num_attention_heads": args.num_attention_heads,
+        "num_query_groups": args.num_query_groups, "vocab_size": args.padded_vocab_size,
+        "params_dtype": str(args.params_dtype), "transformer_impl": args.transformer_impl,
+        "flash_attention_version": args.flash_attention_version,
+        "num_parameters": sum(v.numel() for v in weights.values() if torch.is_tensor(v)),
+    }
+    report["requests"] = {
+        "count_per_order": len(prompts), "orders": args.parity_orders,
+        "prompt_lengths": args.parity_prompt_lengths, "max_new_tokens": args.parity_max_new_tokens,
+        "temperature": args.parity_temperature, "seed": args.seed,
+    }
+    if args.parity_output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.parity_output)), exist_ok=True)
+        with open(args.parity_output, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"[parity] wrote {args.parity_output}")
+
+
+if __name__ == "__main__":
+    main()
