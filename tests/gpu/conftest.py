@@ -2,8 +2,10 @@ import pytest
 import torch
 
 TINY_DENSE_ARGS = [
-    "--num-layers", "4", "--hidden-size", "512", "--ffn-hidden-size", "1408",
-    "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2",
+    # Large enough (K = 2048) that stock cuBLAS/FlashAttention schedules differ between decode
+    # and trainer shapes, so the default-mode check can see a mismatch.
+    "--num-layers", "4", "--hidden-size", "2048", "--ffn-hidden-size", "5632",
+    "--num-attention-heads", "16", "--group-query-attention", "--num-query-groups", "4",
     "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16",
     "--seq-length", "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "1",
     "--flash-attention-version", "4", "--seed", "1234",

@@ -53,7 +53,7 @@ def test_flash_attention_packed_equals_alone(bi_on):
 
     config = TransformerConfig(
         num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2,
-        flash_attention_version=4, bf16=True, params_dtype=torch.bfloat16,
+        flash_attention_version=4, bf16=True, params_dtype=torch.bfloat16, attention_dropout=0.0,
     )
     attention = FlashCoreAttention(config, 1, None, "self")
     torch.manual_seed(0)
