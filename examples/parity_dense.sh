@@ -10,6 +10,6 @@ python tools/check_parity.py \
   --num-attention-heads 16 --group-query-attention --num-query-groups 4 \
   --swiglu --untie-embeddings-and-output-weights --disable-bias-linear --bf16 \
   --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 1 \
-  --flash-attention-version 4 --seed 1234 \
+  --flash-attention-version 4 --seed 1234 --inference-max-seq-length 1024 \
   --parity-modes bi default --parity-requests 32 --parity-prompt-lengths 1 500 \
   --parity-max-new-tokens 1 256 --parity-orders 2 --parity-output "$out" "$@"

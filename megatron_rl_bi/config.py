@@ -28,6 +28,8 @@ def add_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         position_embedding_type="rope",
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        # Megatron's 40 GB KV-cache default is sized for serving large models.
+        inference_dynamic_batching_buffer_size_gb=4.0,
     )
     if not compat.transformer_engine_installed():
         # These need TE or apex kernels.
@@ -117,3 +119,19 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None) -> argpa
     validate_batch_invariance(args)
     validate_args(args)
     return args
+
+
+def engine_config_from_args(args: argparse.Namespace, prompt_logprobs: bool = False):
+    """The engine's sizes from Megatron's own --inference-* flags."""
+    from megatron_rl_bi.inference import EngineConfig
+
+    defaults = EngineConfig()
+    max_tokens = args.inference_dynamic_batching_max_tokens or defaults.max_tokens
+    return EngineConfig(
+        max_requests=args.inference_dynamic_batching_max_requests or defaults.max_requests,
+        max_tokens=max_tokens,
+        max_sequence_length=args.inference_max_seq_length,
+        buffer_size_gb=args.inference_dynamic_batching_buffer_size_gb,
+        block_size_tokens=args.inference_dynamic_batching_block_size,
+        prompt_logprobs=prompt_logprobs,
+    )

@@ -18,8 +18,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_rl_bi.config import parse_args, validate_batch_invariance  # noqa: E402
-from megatron_rl_bi.inference import EngineConfig, Generator, Sampling  # noqa: E402
+from megatron_rl_bi.config import (  # noqa: E402
+    engine_config_from_args,
+    parse_args,
+    validate_batch_invariance,
+)
+from megatron_rl_bi.inference import Generator, Sampling  # noqa: E402
 from megatron_rl_bi.models.build import (  # noqa: E402
     build_gpt_model,
     initialize_distributed,
@@ -48,9 +52,6 @@ def add_parity_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="tokens per packed trainer forward")
     group.add_argument("--parity-temperature", type=float, default=1.0)
     group.add_argument("--parity-output", default=None, help="JSON file to write")
-    group.add_argument("--inference-max-requests", type=int, default=64)
-    group.add_argument("--inference-max-tokens", type=int, default=8192)
-    group.add_argument("--inference-buffer-size-gb", type=float, default=4.0)
     return parser
 
 
@@ -61,8 +62,11 @@ def check_request_sizes(args: argparse.Namespace) -> None:
             f"--parity-prompt-lengths/--parity-max-new-tokens allow {longest} tokens but "
             f"--max-position-embeddings is {args.max_position_embeddings}"
         )
-    if args.parity_prompt_lengths[1] > args.inference_max_tokens:
-        raise ValueError("--inference-max-tokens must cover the longest prompt")
+    if longest > args.inference_max_seq_length:
+        raise ValueError(
+            f"--inference-max-seq-length {args.inference_max_seq_length} is below the longest "
+            f"request ({longest} tokens)"
+        )
     if "bi" in args.parity_modes:
         validate_batch_invariance(argparse.Namespace(**{**vars(args), "batch_invariant_mode": True}))
 
@@ -88,13 +92,7 @@ def main() -> None:
         args.parity_requests, tuple(args.parity_prompt_lengths),
         tuple(args.parity_max_new_tokens), args.parity_vocab_size, args.seed,
     )
-    engine_config = EngineConfig(
-        max_requests=args.inference_max_requests,
-        max_tokens=args.inference_max_tokens,
-        max_sequence_length=args.max_position_embeddings,
-        buffer_size_gb=args.inference_buffer_size_gb,
-        prompt_logprobs=True,
-    )
+    engine_config = engine_config_from_args(args, prompt_logprobs=True)
     sampling = Sampling(temperature=args.parity_temperature, seed=args.seed)
     report = {**provenance(), "model": {}, "engine": vars(engine_config), "requests": {}}
     weights = None
