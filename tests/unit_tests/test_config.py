@@ -1,0 +1,76 @@
+"""Bad flags fail before any GPU work, with one error naming each flag."""
+
+import pytest
+
+from megatron_rl_bi.config import parse_args
+
+MODEL = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
+]
+
+
+def errors_for(*flags):
+    with pytest.raises(ValueError) as info:
+        parse_args(MODEL + list(flags))
+    return str(info.value)
+
+
+def test_bi_without_flash_attention_version():
+    assert "--batch-invariant-mode needs --flash-attention-version 3 or 4" in errors_for(
+        "--batch-invariant-mode"
+    )
+
+
+def test_bi_with_fa2():
+    message = errors_for("--batch-invariant-mode", "--flash-attention-version", "2")
+    assert "--flash-attention-version 2 cannot be used with --batch-invariant-mode" in message
+
+
+def test_pinned_generation_not_installed(monkeypatch):
+    import megatron_rl_bi.attention.flash as flash
+
+    def missing():
+        raise ImportError("flash_attn_3 is not importable")
+
+    monkeypatch.setattr(flash, "_fa3_varlen", missing)
+    message = errors_for("--batch-invariant-mode", "--flash-attention-version", "3")
+    assert "--flash-attention-version 3 needs FlashAttention-3" in message
+    assert "hopper" in message  # the install hint
+
+
+def test_tp_and_cp_with_bi():
+    message = errors_for(
+        "--batch-invariant-mode", "--flash-attention-version", "4",
+        "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+    )
+    assert "--tensor-model-parallel-size 2" in message
+    assert "--context-parallel-size 2 with --batch-invariant-mode" in message
+
+
+def test_tp_without_bi_is_refused_too():
+    assert "--tensor-model-parallel-size 2" in errors_for("--tensor-model-parallel-size", "2")
+
+
+def test_dropout_with_bi_names_each_flag():
+    message = errors_for(
+        "--batch-invariant-mode", "--flash-attention-version", "4",
+        "--attention-dropout", "0.1", "--hidden-dropout", "0.05",
+    )
+    assert "--attention-dropout 0.1 with --batch-invariant-mode" in message
+    assert "--hidden-dropout 0.05 with --batch-invariant-mode" in message
+
+
+def test_layernorm_with_bi():
+    message = errors_for(
+        "--batch-invariant-mode", "--flash-attention-version", "4", "--normalization", "LayerNorm"
+    )
+    assert "--normalization LayerNorm with --batch-invariant-mode" in message
+
+
+def test_defaults_are_parity_safe():
+    args = parse_args(MODEL)
+    assert args.apply_rope_fusion is False
+    assert args.hidden_dropout == 0.0 and args.attention_dropout == 0.0
+    assert args.normalization == "RMSNorm"
+    assert args.attention_backend.name == "flash"
