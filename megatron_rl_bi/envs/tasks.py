@@ -1,0 +1,143 @@
+"""Built-in tasks (letter sorting, countdown) and JSONL prompt datasets, as index-addressed
+example streams. A `PromptSource` walks a task in a seeded order, one shard per data-parallel
+rank, and its position is part of the RL checkpoint.
+"""
+
+import functools
+import json
+import random
+import string
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megatron_rl_bi.envs.verifiers import verify_countdown, verify_math, verify_sort
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    answer: str
+    """A reference completion (the SFT warm-up target), not necessarily the only right one."""
+    verify: Callable[[str], float]
+    """completion text -> reward."""
+
+
+class SortTask:
+    """'sort: dcab\\n' -> 'abcd'. Distinct lowercase letters, length in [min_letters, max_letters]."""
+
+    def __init__(self, seed: int, min_letters: int = 3, max_letters: int = 6):
+        self.seed, self.min_letters, self.max_letters = seed, min_letters, max_letters
+        self.size = None
+
+    def example(self, index: int) -> Example:
+        rng = random.Random(f"sort-{self.seed}-{index}")
+        letters = rng.sample(string.ascii_lowercase, rng.randint(self.min_letters, self.max_letters))
+        answer = "".join(sorted(letters))
+        return Example(
+            prompt=f"sort: {''.join(letters)}\n",
+            answer=answer,
+            verify=functools.partial(verify_sort, answer=answer),
+        )
+
+
+class CountdownTask:
+    """'countdown: 3 5 7 -> 22\\n' -> an expression using 3, 5 and 7 once each that equals 22."""
+
+    def __init__(self, seed: int, num_numbers: int = 3, max_number: int = 9):
+        self.seed, self.num_numbers, self.max_number = seed, num_numbers, max_number
+        self.size = None
+
+    def example(self, index: int) -> Example:
+        rng = random.Random(f"countdown-{self.seed}-{index}")
+        numbers = [rng.randint(1, self.max_number) for _ in range(self.num_numbers)]
+        expression = str(numbers[0])
+        for number in numbers[1:]:
+            expression = f"{expression}{rng.choice('+-*')}{number}"
+        target = eval(expression)  # only digits and + - * built just above
+        return Example(
+            prompt=f"countdown: {' '.join(map(str, numbers))} -> {target}\n",
+            answer=expression,
+            verify=functools.partial(verify_countdown, numbers=numbers, target=target),
+        )
+
+
+class JsonlTask:
+    """One JSON object per line with string fields 'prompt' and 'answer'; math verifier.
+    Every line is checked when the file is opened: a bad line fails with FILE:LINE."""
+
+    def __init__(self, path: str):
+        self.examples = []
+        with open(path, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                self.examples.append(_parse_line(path, line_number, line))
+        if not self.examples:
+            raise ValueError(f"{path}: no examples")
+        self.size = len(self.examples)
+
+    def example(self, index: int) -> Example:
+        return self.examples[index]
+
+
+def _parse_line(path: str, line_number: int, line: str) -> Example:
+    where = f"{path}:{line_number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    for key in ("prompt", "answer"):
+        if not isinstance(record.get(key), str) or not record[key]:
+            raise ValueError(f"{where}: field '{key}' must be a non-empty string")
+    answer = record["answer"]
+    return Example(
+        prompt=record["prompt"],
+        answer=answer,
+        verify=functools.partial(verify_math, answer=answer),
+    )
+
+
+def build_task(name: str, seed: int, dataset: str | None = None):
+    """--rl-task sort|countdown|jsonl (jsonl needs --rl-dataset FILE)."""
+    if name == "sort":
+        return SortTask(seed)
+    if name == "countdown":
+        return CountdownTask(seed)
+    if name == "jsonl":
+        if not dataset:
+            raise ValueError("--rl-task jsonl needs --rl-dataset FILE")
+        return JsonlTask(dataset)
+    raise ValueError(f"--rl-task {name}: expected sort, countdown or jsonl")
+
+
+class PromptSource:
+    """Examples for one data-parallel rank: global index = position * world + rank.
+    Finite datasets are walked in a seeded shuffle, reshuffled each epoch."""
+
+    def __init__(self, task, seed: int, rank: int = 0, world_size: int = 1):
+        self.task, self.seed, self.rank, self.world_size = task, seed, rank, world_size
+        self.position = 0
+
+    def _global_example(self, index: int) -> Example:
+        if self.task.size is None:
+            return self.task.example(index)
+        epoch, offset = divmod(index, self.task.size)
+        order = list(range(self.task.size))
+        random.Random(f"epoch-{self.seed}-{epoch}").shuffle(order)
+        return self.task.example(order[offset])
+
+    def take(self, count: int) -> list[Example]:
+        start = self.position
+        self.position += count
+        return [
+            self._global_example(i * self.world_size + self.rank)
+            for i in range(start, start + count)
+        ]
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])

@@ -1,0 +1,63 @@
+"""Tokenizers: a built-in character tokenizer (no download) and a Hugging Face wrapper.
+
+Both expose what the RL loop needs: `encode(text) -> ids`, `decode(ids) -> text`, `eod`,
+`vocab_size`.
+"""
+
+_SPECIALS = ("<pad>", "<bos>", "<eos>")
+_CHARS = [chr(code) for code in range(32, 127)] + ["\n"]
+
+
+class CharTokenizer:
+    """One id per printable ASCII character and newline, after <pad>, <bos>, <eos>."""
+
+    def __init__(self):
+        self.vocab = list(_SPECIALS) + _CHARS
+        self._ids = {char: i for i, char in enumerate(self.vocab)}
+        self.pad, self.bos, self.eod = 0, 1, 2
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def encode(self, text: str) -> list[int]:
+        unknown = sorted({c for c in text if c not in self._ids})
+        if unknown:
+            raise ValueError(f"characters outside the char tokenizer's vocabulary: {unknown}")
+        return [self._ids[c] for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.vocab[i] for i in ids if i >= len(_SPECIALS))
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer from a local path (needs `transformers`)."""
+
+    def __init__(self, path: str):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as exc:
+            raise ImportError("--rl-tokenizer hf:PATH needs `pip install transformers`") from exc
+        self._tok = AutoTokenizer.from_pretrained(path)
+        if self._tok.eos_token_id is None:
+            raise ValueError(f"tokenizer at {path} has no eos token")
+        self.eod = self._tok.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def build_tokenizer(spec: str):
+    """'char' or 'hf:PATH' (the --rl-tokenizer flag)."""
+    if spec == "char":
+        return CharTokenizer()
+    if spec.startswith("hf:"):
+        return HFTokenizer(spec[3:])
+    raise ValueError(f"--rl-tokenizer {spec}: expected 'char' or 'hf:PATH'")

@@ -1,0 +1,120 @@
+import json
+
+import pytest
+
+from megatron_rl_bi.envs import PromptSource, build_task
+from megatron_rl_bi.envs.tokenizer import CharTokenizer, build_tokenizer
+from megatron_rl_bi.envs.verifiers import verify_countdown, verify_math, verify_sort
+
+
+def test_verify_sort():
+    assert verify_sort("abcd\nsomething else", "abcd") == 1.0
+    assert verify_sort(" abcd ", "abcd") == 1.0
+    assert verify_sort("abdc", "abcd") == 0.0
+    assert verify_sort("", "abcd") == 0.0
+
+
+@pytest.mark.parametrize(
+    "completion, reward",
+    [
+        ("3*5+7", 1.0),  # 22
+        ("7+5*3", 1.0),
+        ("(7+5)*3", 0.0),  # 36
+        ("3*5+7+7", 0.0),  # 7 used twice
+        ("3*5", 0.0),  # 7 unused
+        ("15+7", 0.0),  # not the given numbers
+        ("3*5+7 ; import os", 0.0),
+        ("3**5+7", 0.0),  # power is not allowed
+        ("", 0.0),
+        ("(3*5+7", 0.0),  # syntax error
+    ],
+)
+def test_verify_countdown(completion, reward):
+    assert verify_countdown(completion, [3, 5, 7], 22) == reward
+
+
+def test_verify_countdown_division_is_exact():
+    assert verify_countdown("8/(3-1)", [8, 3, 1], 4) == 1.0
+    assert verify_countdown("7/2+1", [7, 2, 1], 4) == 0.0  # 4.5
+    assert verify_countdown("3/(2-2)", [3, 2, 2], 1) == 0.0  # division by zero
+
+
+def test_verify_math():
+    assert verify_math("so the answer is \\boxed{42}.", "42") == 1.0
+    assert verify_math("first 3 then 7", "7") == 1.0
+    assert verify_math("it is 1/2", "0.5") == 1.0
+    assert verify_math("total 1,234", "1234") == 1.0
+    assert verify_math("\\boxed{41}", "42") == 0.0
+    assert verify_math("no number", "42") == 0.0
+    assert verify_math("\\boxed{x+1}", "x+1") == 1.0
+
+
+def test_built_in_examples_verify_their_own_answer():
+    for name in ("sort", "countdown"):
+        task = build_task(name, seed=3)
+        for index in range(50):
+            example = task.example(index)
+            assert example.verify(example.answer) == 1.0, (name, example)
+            assert example.verify(example.answer + "1") == 0.0
+
+
+def test_sort_example_is_deterministic():
+    a, b = build_task("sort", 3).example(11), build_task("sort", 3).example(11)
+    assert a.prompt == b.prompt and a.prompt.startswith("sort: ") and a.prompt.endswith("\n")
+    assert sorted(a.prompt[6:-1]) == list(a.answer)
+
+
+def test_jsonl_reads_and_shuffles_per_epoch(tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(4)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    source = PromptSource(build_task("jsonl", 0, str(path)), seed=0)
+    first_epoch = [e.prompt for e in source.take(4)]
+    assert sorted(first_epoch) == ["q0", "q1", "q2", "q3"]
+    assert source.position == 4
+    assert source.take(1)[0].verify("answer \\boxed{%s}" % source.task.example(0).answer) in (0.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "d.jsonl:2: not valid JSON"),
+        ('["a"]', "d.jsonl:2: expected a JSON object, got list"),
+        ('{"prompt": "p"}', "d.jsonl:2: field 'answer' must be a non-empty string"),
+        ('{"prompt": 3, "answer": "1"}', "d.jsonl:2: field 'prompt' must be a non-empty string"),
+    ],
+)
+def test_jsonl_malformed_line_names_file_and_line(tmp_path, line, message):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "p", "answer": "1"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        build_task("jsonl", 0, str(path))
+
+
+def test_unknown_task_and_missing_dataset():
+    with pytest.raises(ValueError, match="--rl-task jsonl needs --rl-dataset"):
+        build_task("jsonl", 0)
+    with pytest.raises(ValueError, match="--rl-task poker"):
+        build_task("poker", 0)
+
+
+def test_prompt_source_shards_ranks_and_resumes():
+    task = build_task("sort", 1)
+    rank0, rank1 = PromptSource(task, 0, rank=0, world_size=2), PromptSource(task, 0, 1, 2)
+    a, b = rank0.take(3), rank1.take(3)
+    assert [e.prompt for e in a] == [task.example(i).prompt for i in (0, 2, 4)]
+    assert [e.prompt for e in b] == [task.example(i).prompt for i in (1, 3, 5)]
+    resumed = PromptSource(task, 0, rank=0, world_size=2)
+    resumed.load_state_dict(rank0.state_dict())
+    assert resumed.take(1)[0].prompt == rank0.take(1)[0].prompt
+
+
+def test_char_tokenizer_round_trip_and_errors():
+    tok = CharTokenizer()
+    ids = tok.encode("sort: cab\n")
+    assert tok.decode(ids + [tok.eod]) == "sort: cab\n"
+    assert tok.vocab_size == 3 + 95 + 1
+    with pytest.raises(ValueError, match="outside the char tokenizer"):
+        tok.encode("é")
+    with pytest.raises(ValueError, match="--rl-tokenizer bpe"):
+        build_tokenizer("bpe")
