@@ -28,6 +28,8 @@ def add_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         position_embedding_type="rope",
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        # The RL loss is normalized by global token counts; DP must sum gradients.
+        calculate_per_token_loss=True,
         # Megatron's 40 GB KV-cache default is sized for serving large models.
         inference_dynamic_batching_buffer_size_gb=4.0,
     )

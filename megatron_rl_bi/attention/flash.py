@@ -126,6 +126,7 @@ class FlashCoreAttention(MegatronModule):
         )
         if bi.enabled():
             common["num_splits"] = 1  # no split-KV: one reduction order per row, as in the engine
+            common["deterministic"] = True  # backward without atomics: runs repeat bit for bit
         result = self.varlen(q, k, v, **common)
         # FA4 returns (out, lse); FA3 returns out, or (out, lse) in some builds.
         return result[0] if isinstance(result, tuple) else result

@@ -1,18 +1,33 @@
-"""Trainer-side token logprobs: one packed (THD) forward of the shared model."""
+"""Trainer-side token logprobs (and, when a loss needs it, entropy): one packed THD forward of
+the shared model."""
 
 import torch
 
 from megatron_rl_bi import bi
 from megatron_rl_bi.rl.packing import PackedBatch
 
+ENTROPY_CHUNK_ROWS = 1024
 
-def forward_logprobs(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-    """log p(next token) at every packed position, fp32 [T]; positions without a target hold
-    the logprob of token 0 and must be masked with `batch.has_target`."""
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """[T, V] -> [T] fp32 entropy of softmax(logits), in row chunks (with autograd)."""
+    parts = []
+    for start in range(0, logits.shape[0], ENTROPY_CHUNK_ROWS):
+        log_p = torch.log_softmax(logits[start : start + ENTROPY_CHUNK_ROWS].float(), dim=-1)
+        parts.append(-(log_p.exp() * log_p).sum(-1))
+    return torch.cat(parts)
+
+
+def forward_logprobs(
+    model: torch.nn.Module, batch: PackedBatch, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(next token) at every packed position, fp32 [T] (positions without a target hold
+    the logprob of token 0: mask with `batch.has_target`), and the entropy [T] if asked."""
     logits = model(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
         attention_mask=None,
         packed_seq_params=batch.packed_seq_params(),
-    )  # [1, T, V]
-    return bi.selective_log_softmax(logits[0], batch.target_ids)
+    )[0]  # [T, V]
+    logprobs = bi.selective_log_softmax(logits, batch.target_ids)
+    return logprobs, (_entropy(logits) if with_entropy else None)

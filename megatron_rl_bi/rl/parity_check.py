@@ -60,7 +60,7 @@ def trainer_vs_engine(
         generated = [
             torch.arange(len(g.tokens) - 1) >= len(g.prompt_tokens) - 1 for g in group
         ]
-        parts["train"].append(forward_logprobs(model, batch.to("cuda")).detach().cpu())
+        parts["train"].append(forward_logprobs(model, batch.to("cuda"))[0].detach().cpu())
         parts["engine"].append(pack_token_values([values for values, _ in reported], batch))
         parts["reported"].append(pack_token_values([mask for _, mask in reported], batch))
         parts["generated"].append(pack_token_values(generated, batch))

@@ -1,0 +1,71 @@
+"""Per-step metrics: one console progress line, a JSONL file, TensorBoard, and W&B on request.
+
+Only the caller decides which rank logs (rank 0 in pretrain_rl.py); every sink is optional
+except the console. TensorBoard and W&B are imported only when asked for.
+"""
+
+import json
+import math
+import os
+
+
+class MetricsLogger:
+    def __init__(
+        self,
+        total_steps: int,
+        jsonl_path: str | None = None,
+        tensorboard_dir: str | None = None,
+        wandb_project: str | None = None,
+        run_config: dict | None = None,
+    ):
+        self.total_steps = total_steps
+        self._jsonl = None
+        if jsonl_path:
+            os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
+            self._jsonl = open(jsonl_path, "a", buffering=1)
+        self._tensorboard = None
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise ImportError("--tensorboard-dir needs `pip install tensorboard`") from exc
+            self._tensorboard = SummaryWriter(tensorboard_dir)
+        self._wandb = None
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError as exc:
+                raise ImportError("--wandb-project needs `pip install wandb`") from exc
+            self._wandb = wandb.init(project=wandb_project, config=run_config or {})
+
+    def log(self, step: int, metrics: dict) -> None:
+        record = {"step": step, **metrics}
+        print(self.progress_line(step, metrics), flush=True)
+        if self._jsonl:
+            self._jsonl.write(json.dumps(record) + "\n")
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        if self._tensorboard:
+            for name, value in scalars.items():
+                self._tensorboard.add_scalar(name, value, step)
+        if self._wandb:
+            self._wandb.log(scalars, step=step)
+
+    def progress_line(self, step: int, m: dict) -> str:
+        eta = m.get("time/eta_s", math.nan)
+        eta_text = "?" if math.isnan(eta) else f"{int(eta // 60)}m{int(eta % 60):02d}s"
+        return (
+            f"step {step}/{self.total_steps} | reward {m.get('reward/task_mean', math.nan):.3f}"
+            f" | loss {m.get('loss', math.nan):+.4f}"
+            f" | parity abs_mean {m.get('bit_wise/logprob_diff/abs_mean', math.nan):.3g}"
+            f" max {m.get('bit_wise/logprob_diff/max', math.nan):.3g}"
+            f" | {m.get('throughput/tokens_per_s', math.nan):.0f} tok/s"
+            f" | {m.get('time/step_s', math.nan):.2f} s/step | ETA {eta_text}"
+        )
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tensorboard:
+            self._tensorboard.close()
+        if self._wandb:
+            self._wandb.finish()

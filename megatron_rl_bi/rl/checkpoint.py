@@ -1,0 +1,114 @@
+"""Checkpoints: Megatron distributed checkpoint of model + optimizer, plus the RL state.
+
+Layout under --save:
+  iter_0000012/              megatron-core dist_checkpointing (model, optimizer), rl_state.pt
+  latest_checkpointed_iteration.txt
+Written atomically: everything goes to `iter_0000012.tmp/`, which is renamed only when complete,
+and the `latest` file is replaced with os.replace afterwards. A crash mid-save leaves the previous
+checkpoint as `latest`; stale `.tmp` directories are removed by the next save.
+
+RL state: step, weight version, the prompt source position, and the RNG states (Python, torch
+CPU/CUDA, Megatron's CUDA RNG tracker). Per-step sampling seeds derive from the step, so a
+resumed run repeats the uninterrupted one.
+"""
+
+import os
+import random
+import shutil
+
+import torch
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+def _dir_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def _sharded_state_dict(ddp, optimizer, is_loading: bool) -> dict:
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    state = {"model": ddp.sharded_state_dict(metadata=metadata)}
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
+    return state
+
+
+def _rng_state() -> dict:
+    return {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+
+
+def save_checkpoint(save_dir: str, step: int, ddp, optimizer, rl_state: dict) -> str:
+    rank = torch.distributed.get_rank()
+    final = os.path.join(save_dir, _dir_name(step))
+    tmp = final + ".tmp"
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        for name in os.listdir(save_dir):
+            if name.endswith(".tmp"):
+                shutil.rmtree(os.path.join(save_dir, name))
+        os.makedirs(tmp)
+    torch.distributed.barrier()
+    dist_checkpointing.save(_sharded_state_dict(ddp, optimizer, is_loading=False), tmp)
+    rank_states = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(rank_states, {**rl_state, "rng": _rng_state()})
+    if rank == 0:
+        torch.save({"step": step, "ranks": rank_states}, os.path.join(tmp, "rl_state.pt"))
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest_tmp = os.path.join(save_dir, LATEST + ".tmp")
+        with open(latest_tmp, "w") as f:
+            f.write(f"{step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(latest_tmp, os.path.join(save_dir, LATEST))
+    torch.distributed.barrier()
+    return final
+
+
+def latest_step(load_dir: str) -> int | None:
+    path = os.path.join(load_dir, LATEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{path}: expected a step number, got {text!r}")
+    return int(text)
+
+
+def load_checkpoint(load_dir: str, ddp, optimizer, load_optimizer: bool = True) -> dict | None:
+    """Restores model (and optimizer) and this rank's RNG; returns this rank's RL state, or
+    None when `load_dir` has no checkpoint yet."""
+    step = latest_step(load_dir)
+    if step is None:
+        return None
+    path = os.path.join(load_dir, _dir_name(step))
+    sharded = _sharded_state_dict(ddp, optimizer, is_loading=True)
+    if not load_optimizer:
+        sharded.pop("optimizer")
+    state = dist_checkpointing.load(sharded, path)
+    ddp.load_state_dict(state["model"])
+    if load_optimizer:
+        optimizer.load_state_dict(state["optimizer"])
+    rl = torch.load(os.path.join(path, "rl_state.pt"), weights_only=False)
+    ranks = rl["ranks"]
+    rank = torch.distributed.get_rank()
+    if len(ranks) != torch.distributed.get_world_size():
+        raise ValueError(
+            f"{path} was written by {len(ranks)} data-parallel ranks; resuming needs the same "
+            f"number (got {torch.distributed.get_world_size()})"
+        )
+    mine = ranks[rank]
+    rng = mine.pop("rng")
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    torch.cuda.set_rng_state(rng["cuda"])
+    get_cuda_rng_tracker().set_states(rng["tracker"])
+    return mine

@@ -1,0 +1,132 @@
+"""Rollouts: G completions per prompt from the engine, scored by the task's verifier.
+
+`Rollout` is what everything downstream of the engine takes. DAPO's dynamic sampling keeps only
+groups whose rewards differ and draws new prompts until the step has enough groups (or
+`max_rounds` is reached; the step then trains on what it has and says so in its metrics).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rl_bi.envs import PromptSource
+from megatron_rl_bi.inference import Generator, Sampling
+from megatron_rl_bi.rl.advantages import group_advantages
+from megatron_rl_bi.rl.rewards import groups_with_signal, overlong_penalty, safe_reward
+
+
+@dataclass
+class Rollout:
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    engine_logprobs: list[float]  # [len(completion_tokens)], fp32 values
+    reward: float
+    group_id: int
+    weight_version: int  # optimizer steps taken by the weights that generated it
+    truncated: bool  # stopped by the token budget, not by end-of-document
+    advantage: float = 0.0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    prompts_per_step: int = 8
+    """Groups per step on each data-parallel rank (--grpo-prompts-per-step)."""
+    group_size: int = 8
+    """Completions per prompt (--grpo-group-size)."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal and refill (DAPO; --rl-dynamic-sampling)."""
+    max_rounds: int = 4
+    """Generation rounds per step when refilling (--rl-dynamic-sampling-max-rounds)."""
+    overlong_buffer: int = 0
+    """DAPO overlong shaping over the last N tokens of the budget; 0 disables."""
+    overlong_penalty: float = 1.0
+    normalize_std: bool = True
+    """Divide advantages by the group's reward std (--rl-advantage-std / --no-...)."""
+
+
+def _score_group(examples, generations, tokenizer, sampling, config, group_id, weight_version):
+    """Rollouts with rewards (task reward + overlong shaping), and the raw task rewards."""
+    rollouts, task_rewards, failures = [], [], 0
+    for example, generation in zip(examples, generations):
+        completion = generation.generated_tokens
+        text_tokens = completion[:-1] if generation.stopped_on_eod else completion
+        reward, failed = safe_reward(example.verify, tokenizer.decode(text_tokens))
+        failures += failed
+        task_rewards.append(reward)
+        rollouts.append(
+            Rollout(
+                prompt_tokens=generation.prompt_tokens,
+                completion_tokens=completion,
+                engine_logprobs=generation.generated_logprobs,
+                reward=reward,
+                group_id=group_id,
+                weight_version=weight_version,
+                truncated=not generation.stopped_on_eod,
+            )
+        )
+    if config.overlong_buffer:
+        lengths = torch.tensor([len(r.completion_tokens) for r in rollouts])
+        shaping = overlong_penalty(
+            lengths, sampling.max_new_tokens, config.overlong_buffer, config.overlong_penalty
+        )
+        for rollout, penalty in zip(rollouts, shaping.tolist()):
+            rollout.reward += penalty
+    return rollouts, task_rewards, failures
+
+
+def collect_rollouts(
+    generator: Generator,
+    source: PromptSource,
+    tokenizer,
+    sampling: Sampling,
+    config: RolloutConfig,
+    weight_version: int,
+) -> tuple[list[list[Rollout]], dict[str, float]]:
+    """Groups of `group_size` rollouts with advantages set, and rollout statistics."""
+    groups, task_rewards, failures, dropped, rounds = [], [], 0, 0, 0
+    while len(groups) < config.prompts_per_step and rounds < config.max_rounds:
+        examples = source.take(config.prompts_per_step - len(groups))
+        prompts = [tokenizer.encode(e.prompt) for e in examples for _ in range(config.group_size)]
+        round_sampling = Sampling(**{**vars(sampling), "seed": sampling.seed + 7919 * rounds})
+        generations = generator.generate(prompts, round_sampling)
+        for i, example in enumerate(examples):
+            span = slice(i * config.group_size, (i + 1) * config.group_size)
+            group, rewards_of_group, failed = _score_group(
+                [example] * config.group_size, generations[span], tokenizer, sampling, config,
+                len(groups), weight_version,
+            )
+            failures += failed
+            task_rewards += rewards_of_group
+            rewards = torch.tensor([[r.reward for r in group]])
+            if config.dynamic_sampling and not groups_with_signal(rewards)[0]:
+                dropped += 1
+                continue
+            for rollout, advantage in zip(group, group_advantages(rewards, config.normalize_std)[0]):
+                rollout.advantage = advantage.item()
+            groups.append(group)
+        rounds += 1
+        if not config.dynamic_sampling:
+            break
+    all_rollouts = [r for group in groups for r in group]
+    stats = {
+        "rollouts/groups": len(groups),
+        "rollouts/groups_dropped": dropped,
+        "rollouts/rounds": rounds,
+        "rollouts/generated": len(task_rewards),
+        "rollouts/verifier_failures": failures,
+        "rollouts/truncated_fraction": _mean([r.truncated for r in all_rollouts]),
+        "rollouts/completion_length": _mean([len(r.completion_tokens) for r in all_rollouts]),
+        # Task reward (accuracy for 0/1 verifiers) over everything generated, dropped groups too.
+        "reward/task_mean": _mean(task_rewards),
+        # Shaped reward of the rollouts trained on.
+        "reward/trained_mean": _mean([r.reward for r in all_rollouts]),
+    }
+    return groups, stats
+
+
+def _mean(values) -> float:
+    return float(sum(values) / len(values)) if values else float("nan")

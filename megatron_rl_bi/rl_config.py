@@ -1,0 +1,191 @@
+"""RL flags for pretrain_rl.py: Megatron's own RL flags (--grpo-*, --rl-default-*,
+--rl-importance-sampling-*) plus this package's, `--rl-loss` presets, and YAML recipes.
+
+Precedence, lowest first: Megatron's defaults < this package's defaults < the `--rl-loss`
+preset < the recipe (`--recipe FILE`, keys are flag names with '_' or '-') < the command line.
+"""
+
+import argparse
+import sys
+
+import yaml
+
+from megatron_rl_bi.config import parse_args
+from megatron_rl_bi.inference import Sampling
+from megatron_rl_bi.rl.losses import LossConfig
+from megatron_rl_bi.rl.rollouts import RolloutConfig
+from megatron_rl_bi.rl.step import StepConfig
+
+RL_DEFAULTS = dict(
+    # Megatron's RL flags, with defaults for a synchronous on-policy loop.
+    grpo_prompts_per_step=8,
+    grpo_group_size=8,
+    grpo_iterations=1,
+    grpo_clamp_eps_lower=0.2,
+    grpo_clamp_eps_upper=0.2,
+    grpo_kl_beta=0.0,
+    rl_default_top_k=0,
+    lr=1e-5,
+    train_iters=100,
+)
+
+LOSS_PRESETS = {
+    # GRPO: symmetric clip, each completion weighs the same.
+    "grpo": dict(grpo_clamp_eps_upper=0.2, rl_loss_aggregation="sequence"),
+    # DAPO: clip-higher, token-level loss, dynamic sampling, no KL.
+    "dapo": dict(
+        grpo_clamp_eps_upper=0.28,
+        rl_loss_aggregation="token",
+        grpo_filter_groups_with_same_reward=True,
+        grpo_kl_beta=0.0,
+    ),
+}
+
+
+def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("megatron_rl_bi")
+    group.add_argument("--recipe", default=None, help="YAML file of flag values (CLI overrides)")
+    group.add_argument("--rl-loss", choices=sorted(LOSS_PRESETS), default="grpo",
+                       help="loss preset: grpo (symmetric clip, sequence mean) or dapo "
+                       "(clip-higher 0.28, token mean, dynamic sampling)")
+    group.add_argument("--rl-loss-aggregation", choices=["token", "sequence"], default="sequence",
+                       help="average the loss over tokens (DAPO) or per completion (GRPO)")
+    group.add_argument("--rl-task", default="sort", help="sort, countdown or jsonl")
+    group.add_argument("--rl-dataset", default=None, help="JSONL file for --rl-task jsonl")
+    group.add_argument("--rl-tokenizer", default="char", help="'char' (built in) or hf:PATH")
+    group.add_argument("--rl-max-new-tokens", type=int, default=16, help="completion budget")
+    group.add_argument("--rl-overlong-buffer", type=int, default=0,
+                       help="DAPO overlong shaping over the last N tokens of the budget; 0 = off")
+    group.add_argument("--rl-overlong-penalty", type=float, default=1.0,
+                       help="reward at (and past) the full budget under overlong shaping")
+    group.add_argument("--rl-dynamic-sampling-max-rounds", type=int, default=4,
+                       help="generation rounds per step to refill dropped groups")
+    group.add_argument("--rl-no-advantage-std", action="store_true",
+                       help="do not divide advantages by the group's reward std")
+    group.add_argument("--rl-micro-batch-tokens", type=int, default=8192,
+                       help="tokens per packed trainer forward")
+    group.add_argument("--rl-sft-warmup-steps", type=int, default=0,
+                       help="supervised steps on the task's reference answers before RL "
+                       "(skipped when resuming)")
+    group.add_argument("--rl-sft-batch-size", type=int, default=64)
+    group.add_argument("--rl-sft-lr", type=float, default=None,
+                       help="learning rate of the warm-up (default: --lr)")
+    group.add_argument("--rl-metrics-jsonl", default=None, help="per-step metrics file")
+    return parser
+
+
+def _scan(argv: list[str], flag: str) -> str | None:
+    """The value of `flag` on the command line, before the full parse."""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def load_recipe(path: str, parser: argparse.ArgumentParser) -> dict:
+    """Recipe keys are flag names (`disable-bias-linear: true`, as on the command line) or
+    argument destinations (`add_bias_linear: false`)."""
+    with open(path) as f:
+        recipe = yaml.safe_load(f) or {}
+    if not isinstance(recipe, dict):
+        raise ValueError(f"{path}: a recipe is a mapping of flag names to values")
+    by_flag = {opt: a for a in parser._actions for opt in a.option_strings}
+    dests = {a.dest for a in parser._actions}
+    values = {}
+    for key, value in recipe.items():
+        action = by_flag.get("--" + str(key).lstrip("-"))
+        if action is not None and isinstance(action.const, bool) and action.nargs == 0:
+            # store_true / store_false flags: `flag: true` means the flag was given.
+            if not isinstance(value, bool):
+                raise ValueError(f"{path}: '{key}' is a switch; give true or false")
+            if value:
+                values[action.dest] = action.const
+        elif action is not None:
+            values[action.dest] = value
+        elif str(key).replace("-", "_") in dests:
+            values[str(key).replace("-", "_")] = value
+        else:
+            raise ValueError(f"{path}: unknown flag '{key}' in recipe")
+    return values
+
+
+def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
+    argv = sys.argv[1:] if argv is None else argv
+    recipe_path = _scan(argv, "--recipe")
+
+    def provider(parser):
+        add_rl_args(parser)
+        parser.set_defaults(**RL_DEFAULTS)
+        recipe = load_recipe(recipe_path, parser) if recipe_path else {}
+        loss = _scan(argv, "--rl-loss") or recipe.get("rl_loss", "grpo")
+        if loss not in LOSS_PRESETS:
+            raise ValueError(f"--rl-loss {loss}: expected one of {sorted(LOSS_PRESETS)}")
+        parser.set_defaults(**LOSS_PRESETS[loss])
+        parser.set_defaults(**recipe)
+        return parser
+
+    args = parse_args(argv, extra_args_provider=provider)
+    validate_rl_args(args)
+    return args
+
+
+def validate_rl_args(args: argparse.Namespace) -> None:
+    errors = []
+    for flag in ("grpo_group_size", "grpo_prompts_per_step", "grpo_iterations",
+                 "rl_max_new_tokens", "rl_micro_batch_tokens", "train_iters"):
+        if getattr(args, flag) is None or getattr(args, flag) < 1:
+            errors.append(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.grpo_group_size < 2:
+        errors.append("--grpo-group-size must be >= 2: advantages compare completions of a prompt")
+    if args.rl_inference_logprobs_is_correction and not args.rl_importance_sampling_truncation_coef:
+        errors.append("--rl-inference-logprobs-is-correction needs "
+                      "--rl-importance-sampling-truncation-coef (the TIS cap)")
+    if not 0 <= args.rl_overlong_buffer <= args.rl_max_new_tokens:
+        errors.append("--rl-overlong-buffer must be in [0, --rl-max-new-tokens]")
+    if args.grpo_kl_beta < 0 or args.grpo_entropy_term_weight < 0:
+        errors.append("--grpo-kl-beta and --grpo-entropy-term-weight must be >= 0")
+    if args.save_interval and not args.save:
+        errors.append("--save-interval needs --save DIR")
+    if args.rl_default_top_k > 0 and args.rl_default_top_p > 0:
+        errors.append("--rl-default-top-k and --rl-default-top-p cannot both be set (engine)")
+    if args.rl_default_temperature <= 0:
+        errors.append("--rl-default-temperature must be > 0 (use --rl-default-top-k 1 for greedy)")
+    if errors:
+        raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))
+
+
+def rl_configs(args: argparse.Namespace, eod_id: int) -> tuple[RolloutConfig, StepConfig, Sampling]:
+    rollout = RolloutConfig(
+        prompts_per_step=args.grpo_prompts_per_step,
+        group_size=args.grpo_group_size,
+        dynamic_sampling=args.grpo_filter_groups_with_same_reward,
+        max_rounds=args.rl_dynamic_sampling_max_rounds,
+        overlong_buffer=args.rl_overlong_buffer,
+        overlong_penalty=args.rl_overlong_penalty,
+        normalize_std=not args.rl_no_advantage_std,
+    )
+    loss = LossConfig(
+        eps_low=args.grpo_clamp_eps_lower,
+        eps_high=args.grpo_clamp_eps_upper,
+        kl_beta=args.grpo_kl_beta,
+        entropy_weight=args.grpo_entropy_term_weight,
+        tis_cap=(args.rl_importance_sampling_truncation_coef
+                 if args.rl_inference_logprobs_is_correction else None),
+    )
+    step = StepConfig(
+        loss=loss,
+        aggregation=args.rl_loss_aggregation,
+        micro_batch_tokens=args.rl_micro_batch_tokens,
+        updates_per_step=args.grpo_iterations,
+    )
+    sampling = Sampling(
+        max_new_tokens=args.rl_max_new_tokens,
+        temperature=args.rl_default_temperature,
+        top_k=args.rl_default_top_k,
+        top_p=args.rl_default_top_p,
+        eod_id=eod_id,
+        seed=args.seed,
+    )
+    return rollout, step, sampling

@@ -1,0 +1,23 @@
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY_RECIPE = os.path.join(REPO, "examples", "recipes", "tiny_sort.yaml")
+# Small enough for a functional test; everything else from the README's main-job recipe.
+QUICK = ["--rl-sft-warmup-steps", "20", "--grpo-prompts-per-step", "4", "--save-interval", "0"]
+
+
+def run_pretrain_rl(*flags: str, nproc: int = 1) -> None:
+    if nproc == 1:
+        command = [sys.executable, os.path.join(REPO, "pretrain_rl.py")]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                   os.path.join(REPO, "pretrain_rl.py")]
+    subprocess.run(command + ["--recipe", TINY_RECIPE, *QUICK, *flags], check=True, cwd=REPO)
+
+
+def read_metrics(path: str) -> dict[int, dict]:
+    with open(path) as f:
+        return {record["step"]: record for record in map(json.loads, f)}

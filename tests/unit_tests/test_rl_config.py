@@ -1,0 +1,61 @@
+"""RL flags: presets, recipes and validation (CPU, before any GPU work)."""
+
+import pytest
+
+from megatron_rl_bi.rl_config import parse_rl_args, rl_configs
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1"]
+
+
+def test_grpo_and_dapo_presets():
+    grpo = parse_rl_args(MODEL)
+    assert (grpo.grpo_clamp_eps_upper, grpo.rl_loss_aggregation) == (0.2, "sequence")
+    assert not grpo.grpo_filter_groups_with_same_reward
+    dapo = parse_rl_args(MODEL + ["--rl-loss", "dapo"])
+    assert (dapo.grpo_clamp_eps_lower, dapo.grpo_clamp_eps_upper) == (0.2, 0.28)
+    assert dapo.rl_loss_aggregation == "token" and dapo.grpo_filter_groups_with_same_reward
+    # the command line beats the preset
+    custom = parse_rl_args(MODEL + ["--rl-loss", "dapo", "--grpo-clamp-eps-upper", "0.3"])
+    assert custom.grpo_clamp_eps_upper == 0.3
+
+
+def test_recipe_precedence_and_switches(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("rl-loss: dapo\nlr: 0.01\ndisable-bias-linear: true\ngrpo_group_size: 4\n")
+    args = parse_rl_args(MODEL + ["--recipe", str(recipe), "--lr", "0.5"])
+    assert args.rl_loss == "dapo" and args.grpo_clamp_eps_upper == 0.28  # preset from the recipe
+    assert args.lr == 0.5  # CLI over recipe
+    assert args.add_bias_linear is False  # store_false switch
+    assert args.grpo_group_size == 4  # destination names work too
+
+
+def test_recipe_errors_name_the_file_and_key(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("no-such-flag: 1\n")
+    with pytest.raises(ValueError, match=r"r.yaml: unknown flag 'no-such-flag'"):
+        parse_rl_args(MODEL + ["--recipe", str(recipe)])
+    recipe.write_text("disable-bias-linear: 3\n")
+    with pytest.raises(ValueError, match="'disable-bias-linear' is a switch"):
+        parse_rl_args(MODEL + ["--recipe", str(recipe)])
+
+
+def test_validation_lists_every_bad_flag():
+    with pytest.raises(ValueError) as info:
+        parse_rl_args(MODEL + ["--grpo-group-size", "1", "--rl-inference-logprobs-is-correction",
+                               "--rl-default-temperature", "0", "--save-interval", "5"])
+    message = str(info.value)
+    assert "--grpo-group-size must be >= 2" in message
+    assert "--rl-importance-sampling-truncation-coef" in message
+    assert "--rl-default-temperature must be > 0" in message
+    assert "--save-interval needs --save" in message
+
+
+def test_rl_configs_map_flags():
+    args = parse_rl_args(MODEL + ["--rl-inference-logprobs-is-correction",
+                                  "--rl-importance-sampling-truncation-coef", "2.0",
+                                  "--grpo-iterations", "2", "--rl-max-new-tokens", "9"])
+    rollout, step, sampling = rl_configs(args, eod_id=2)
+    assert step.loss.tis_cap == 2.0 and step.updates_per_step == 2
+    assert sampling.max_new_tokens == 9 and sampling.eod_id == 2
+    assert rollout.group_size == 8 and rollout.prompts_per_step == 8
