@@ -27,7 +27,13 @@ class CharTokenizer:
         return [self._ids[c] for c in text]
 
     def decode(self, ids: list[int]) -> str:
-        return "".join(self.vocab[i] for i in ids if i >= len(_SPECIALS))
+        """Specials decode to nothing; ids past the vocabulary (the model's padded rows) to
+        U+FFFD, so a completion that samples them fails verification instead of the run."""
+        return "".join(
+            self.vocab[i] if i < len(self.vocab) else "\ufffd"
+            for i in ids
+            if not 0 <= i < len(_SPECIALS)
+        )
 
 
 class HFTokenizer:

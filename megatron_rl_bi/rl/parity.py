@@ -32,9 +32,10 @@ def parity_metrics(
             f"{tuple(train_logprobs.shape)}, {tuple(engine_logprobs.shape)}, "
             f"{tuple(reported_mask.shape)}"
         )
-    mask = reported_mask.to(device=train_logprobs.device, dtype=torch.bool)
-    train = train_logprobs.detach()[mask]
-    engine = engine_logprobs.detach().to(device=train.device, dtype=train.dtype)[mask]
+    # On the CPU: a few reductions, and out of reach of the BI aten overrides (CUDA-only).
+    mask = reported_mask.detach().cpu().bool()
+    train = train_logprobs.detach().cpu()[mask]
+    engine = engine_logprobs.detach().cpu().to(train.dtype)[mask]
     tokens = int(mask.sum())
     if tokens == 0:
         nan = float("nan")

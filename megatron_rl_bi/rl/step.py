@@ -87,12 +87,12 @@ def _global_parity(train: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor
             local["bit_wise/ratio_tokens_different"] * tokens if tokens else 0.0,
             float(tokens),
         ],
-        dtype=torch.float64, device=train.device,
+        dtype=torch.float64, device=torch.cuda.current_device(),
     )
     _all_reduce(sums)
     worst = _all_reduce(
         torch.tensor([local["bit_wise/logprob_diff/max"] if tokens else 0.0],
-                     dtype=torch.float64, device=train.device),
+                     dtype=torch.float64, device=torch.cuda.current_device()),
         torch.distributed.ReduceOp.MAX,
     )
     total = sums[3].item()

@@ -6,7 +6,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_RECIPE = os.path.join(REPO, "examples", "recipes", "tiny_sort.yaml")
 # Small enough for a functional test; everything else from the README's main-job recipe.
-QUICK = ["--rl-sft-warmup-steps", "20", "--grpo-prompts-per-step", "4", "--save-interval", "0"]
+QUICK = ["--rl-sft-warmup-steps", "20", "--grpo-prompts-per-step", "4", "--save-interval", "1000"]
 
 
 def run_pretrain_rl(*flags: str, nproc: int = 1) -> None:
