@@ -19,6 +19,7 @@ import shutil
 import torch
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.utils import unwrap_model
 
 LATEST = "latest_checkpointed_iteration.txt"
 
@@ -28,8 +29,10 @@ def _dir_name(step: int) -> str:
 
 
 def _sharded_state_dict(ddp, optimizer, is_loading: bool) -> dict:
+    # The bare GPTModel's keys, as Megatron's own checkpoints have them (no DDP/Float16Module
+    # prefixes), so checkpoints load into either wrapper and into Megatron-LM tools.
     metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
-    state = {"model": ddp.sharded_state_dict(metadata=metadata)}
+    state = {"model": unwrap_model(ddp).sharded_state_dict(metadata=metadata)}
     state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
     return state
 
@@ -94,7 +97,7 @@ def load_checkpoint(load_dir: str, ddp, optimizer, load_optimizer: bool = True) 
     if not load_optimizer:
         sharded.pop("optimizer")
     state = dist_checkpointing.load(sharded, path)
-    ddp.load_state_dict(state["model"])
+    unwrap_model(ddp).load_state_dict(state["model"])
     if load_optimizer:
         optimizer.load_state_dict(state["optimizer"])
     rl = torch.load(os.path.join(path, "rl_state.pt"), weights_only=False)
