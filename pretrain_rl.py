@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> None:
             tensorboard_dir=args.tensorboard_dir,
             wandb_project=args.wandb_project or None,
             run_config={k: str(v) for k, v in vars(args).items()},
+            run_info=provenance(),
         )
-        print(f"megatron_rl_bi: {provenance()}", flush=True)
     loop_config = LoopConfig(
         steps=args.train_iters,
         seed=args.seed,

@@ -4,12 +4,12 @@
 """
 
 import argparse
-import json
+import os
+import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-def read_jsonl(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+from megatron_rl_bi.reporting.metrics import read_step_records  # noqa: E402
 
 
 def plot(records: list[dict], output: str, title: str) -> None:
@@ -43,7 +43,8 @@ def main() -> None:
     parser.add_argument("png")
     parser.add_argument("--title", default=None)
     args = parser.parse_args()
-    plot(read_jsonl(args.jsonl), args.png, args.title or args.jsonl)
+    records = [r for _, r in sorted(read_step_records(args.jsonl).items())]
+    plot(records, args.png, args.title or args.jsonl)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Per-step metrics: one console progress line, a JSONL file, TensorBoard, and W&B on request.
 
+JSONL lines are `{"run": {...}}` headers (provenance and flags) and `{"step": N, ...}` records.
+
 Only the caller decides which rank logs (rank 0 in pretrain_rl.py); every sink is optional
 except the console. TensorBoard and W&B are imported only when asked for.
 """
@@ -17,12 +19,17 @@ class MetricsLogger:
         tensorboard_dir: str | None = None,
         wandb_project: str | None = None,
         run_config: dict | None = None,
+        run_info: dict | None = None,
     ):
+        """run_info (device, commit, versions) and run_config (the flags) open the JSONL as a
+        `{"run": ...}` record, once per start of the process (a resumed run appends one)."""
         self.total_steps = total_steps
         self._jsonl = None
         if jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
             self._jsonl = open(jsonl_path, "a", buffering=1)
+            header = {**(run_info or {}), "config": run_config or {}}
+            self._jsonl.write(json.dumps({"run": header}) + "\n")
         self._tensorboard = None
         if tensorboard_dir:
             try:
@@ -69,3 +76,11 @@ class MetricsLogger:
             self._tensorboard.close()
         if self._wandb:
             self._wandb.finish()
+
+
+def read_step_records(path: str) -> dict[int, dict]:
+    """The `{"step": ...}` records of a metrics JSONL by step (a resumed run's later record of a
+    step wins)."""
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return {r["step"]: r for r in records if "step" in r}

@@ -1,4 +1,3 @@
-import json
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ def run_pretrain_rl(*flags: str, nproc: int = 1) -> None:
     subprocess.run(command + ["--recipe", TINY_RECIPE, *QUICK, *flags], check=True, cwd=REPO)
 
 
-def read_metrics(path: str) -> dict[int, dict]:
-    with open(path) as f:
-        return {record["step"]: record for record in map(json.loads, f)}
+def read_metrics(path) -> dict[int, dict]:
+    from megatron_rl_bi.reporting.metrics import read_step_records
+
+    return read_step_records(str(path))

@@ -1,0 +1,21 @@
+import json
+
+from megatron_rl_bi.reporting.metrics import MetricsLogger, read_step_records
+
+
+def test_jsonl_has_a_run_header_and_step_records(tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    logger = MetricsLogger(total_steps=2, jsonl_path=str(path), run_config={"lr": "0.1"},
+                           run_info={"device": "cpu", "git_commit": "abc"})
+    logger.log(1, {"reward/task_mean": 0.5, "loss": -0.1, "bit_wise/logprob_diff/max": 0.0})
+    logger.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[0] == {"run": {"device": "cpu", "git_commit": "abc", "config": {"lr": "0.1"}}}
+    assert lines[1]["step"] == 1 and lines[1]["reward/task_mean"] == 0.5
+    assert "step 1/2 | reward 0.500 | loss -0.1000 | parity abs_mean nan max 0" in capsys.readouterr().out
+
+
+def test_read_step_records_keeps_the_latest_record_of_a_step(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"run": {}}\n{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n{"run": {}}\n{"step": 2, "x": 3}\n')
+    assert read_step_records(str(path)) == {1: {"step": 1, "x": 1}, 2: {"step": 2, "x": 3}}
