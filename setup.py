@@ -21,5 +21,6 @@ setup(
         "fa4": ["flash-attn-4==4.0.0b36"],
         "te": ["transformer-engine[pytorch]"],
         "test": ["pytest"],
+        "plot": ["matplotlib"],
     },
 )
