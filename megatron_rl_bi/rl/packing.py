@@ -96,3 +96,17 @@ def unpack_token_values(packed: torch.Tensor, batch: PackedBatch) -> list[torch.
     """Inverse of pack_token_values: [T] -> per sequence [len_i - 1]."""
     lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
     return [row[:-1] for row in torch.split(packed, lengths)]
+
+
+def micro_batches(items: list, max_tokens: int) -> list[list]:
+    """Consecutive groups of items (anything with `.tokens`) of at most `max_tokens` tokens each;
+    an item longer than that forms a micro-batch of its own."""
+    batches, current, tokens = [], [], 0
+    for item in items:
+        length = len(item.tokens)
+        if current and tokens + length > max_tokens:
+            batches.append(current)
+            current, tokens = [], 0
+        current.append(item)
+        tokens += length
+    return batches + ([current] if current else [])

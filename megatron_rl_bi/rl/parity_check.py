@@ -11,7 +11,7 @@ import torch
 
 from megatron_rl_bi.inference import Generation, Generator, Sampling
 from megatron_rl_bi.models.logprobs import forward_logprobs
-from megatron_rl_bi.rl.packing import pack_sequences, pack_token_values
+from megatron_rl_bi.rl.packing import micro_batches, pack_sequences, pack_token_values
 from megatron_rl_bi.rl.parity import parity_metrics
 
 
@@ -34,19 +34,6 @@ def random_requests(
     return prompts, budgets
 
 
-def _micro_batches(generations: list[Generation], micro_batch_tokens: int):
-    batch, tokens = [], 0
-    for generation in generations:
-        length = len(generation.tokens)
-        if batch and tokens + length > micro_batch_tokens:
-            yield batch
-            batch, tokens = [], 0
-        batch.append(generation)
-        tokens += length
-    if batch:
-        yield batch
-
-
 def trainer_vs_engine(
     model: torch.nn.Module, generations: list[Generation], micro_batch_tokens: int
 ) -> dict[str, torch.Tensor]:
@@ -54,7 +41,7 @@ def trainer_vs_engine(
     the generated-token mask."""
     parts = {"train": [], "engine": [], "reported": [], "generated": []}
     model.train()
-    for group in _micro_batches(generations, micro_batch_tokens):
+    for group in micro_batches(generations, micro_batch_tokens):
         batch = pack_sequences([g.tokens for g in group])
         reported = [g.reported_logprobs() for g in group]
         generated = [

@@ -14,7 +14,7 @@ import torch
 
 from megatron_rl_bi.models.logprobs import forward_logprobs
 from megatron_rl_bi.rl.losses import LossConfig, LossInputs, policy_loss, token_weights
-from megatron_rl_bi.rl.packing import PackedBatch, pack_sequences, pack_token_values
+from megatron_rl_bi.rl.packing import PackedBatch, micro_batches, pack_sequences, pack_token_values
 from megatron_rl_bi.rl.parity import parity_metrics
 from megatron_rl_bi.rl.rollouts import Rollout
 
@@ -57,18 +57,6 @@ def _pack(rollouts: list[Rollout]) -> _Packed:
         advantages=pack_token_values(advantages, batch).float().to(device),
         sequence_ids=pack_token_values(sequence_ids, batch).long().to(device),
     )
-
-
-def _micro_batches(rollouts: list[Rollout], max_tokens: int) -> list[list[Rollout]]:
-    batches, current, tokens = [], [], 0
-    for rollout in rollouts:
-        length = len(rollout.tokens)
-        if current and tokens + length > max_tokens:
-            batches.append(current)
-            current, tokens = [], 0
-        current.append(rollout)
-        tokens += length
-    return batches + ([current] if current else [])
 
 
 def _all_reduce(values: torch.Tensor, op=torch.distributed.ReduceOp.SUM) -> torch.Tensor:
@@ -133,7 +121,7 @@ def train_on_rollouts(
     old_by_rollout, parity_parts = {}, []
     if needs_old:  # the policy that generated, before any update
         with torch.no_grad():
-            for micro in _micro_batches(rollouts, config.micro_batch_tokens):
+            for micro in micro_batches(rollouts, config.micro_batch_tokens):
                 packed = _pack(micro)
                 logprobs, _ = forward_logprobs(ddp, packed.batch)
                 parity_parts.append((logprobs, packed.engine_logprobs, packed.completion))
@@ -143,7 +131,7 @@ def train_on_rollouts(
     for update, minibatch in enumerate(minibatches):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        for micro in _micro_batches(minibatch, config.micro_batch_tokens):
+        for micro in micro_batches(minibatch, config.micro_batch_tokens):
             packed = _pack(micro)
             logprobs, entropy = forward_logprobs(ddp, packed.batch, with_entropy)
             if needs_old:

@@ -40,3 +40,14 @@ def test_bad_input_is_named():
     batch = pack_sequences([[1, 2, 3]])
     with pytest.raises(ValueError, match="sequence 0: 1 values for 3 tokens"):
         pack_token_values([torch.tensor([0.0])], batch)
+
+
+def test_micro_batches_respect_the_token_budget():
+    from types import SimpleNamespace
+
+    from megatron_rl_bi.rl.packing import micro_batches
+
+    items = [SimpleNamespace(tokens=[0] * n) for n in (3, 4, 2, 9, 1)]
+    groups = micro_batches(items, max_tokens=7)
+    assert [[len(i.tokens) for i in g] for g in groups] == [[3, 4], [2], [9], [1]]
+    assert micro_batches([], 5) == []
