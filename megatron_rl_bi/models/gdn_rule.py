@@ -1,0 +1,124 @@
+"""The gated delta rule as trainer and engine both run it in BI mode: fla's recurrent kernel
+forward, with a chunked backward.
+
+`fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule` runs one program per (sequence, head,
+value block) with no autotuning, the same binary for a prefill of any length and for one-token
+decode, so a sequence's bits do not depend on the rest of the batch or on how its tokens are split
+into calls. It has no backward. `recurrent_gated_delta_rule` wraps it in an autograd Function whose
+backward recomputes the output with a *chunked* formulation of the same recurrence (the same
+function, evaluated in another order) and differentiates that; no parity claim is made on
+gradients.
+
+Kernel-call contract shared with the engine: `initial_state` is always passed (zeros for a fresh
+sequence). fla compiles a different variant without it, whose bits differ (measured on the H200).
+
+Chunked backends: 'torch' (megatron-core's `torch_chunk_gated_delta_rule`, per sequence, fp32,
+runs anywhere) and 'fla' (fla's `chunk_gated_delta_rule` and its Triton backward, varlen-native;
+fla 0.6.0 refuses it on Hopper with Triton >= 3.4 and < 3.7.1).
+"""
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_BACKENDS = ("torch", "fla")
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return F.normalize(x.float(), dim=-1, eps=1e-6).to(x.dtype)
+
+
+def _torch_chunked(q, k, v, g, beta, initial_state, scale, cu_seqlens):
+    """megatron-core's torch chunked rule, sequence by sequence; q, k already normalized."""
+    from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule
+
+    # that function scales q by K ** -0.5 itself
+    q = q * (scale * q.shape[-1] ** 0.5)
+    if cu_seqlens is None:
+        return torch_chunk_gated_delta_rule(
+            q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True
+        )
+    outputs, states = [], []
+    bounds = cu_seqlens.tolist()
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        rows = slice(start, end)
+        out, state = torch_chunk_gated_delta_rule(
+            q[:, rows], k[:, rows], v[:, rows], g=g[:, rows], beta=beta[:, rows],
+            initial_state=initial_state[i : i + 1], output_final_state=True,
+        )
+        outputs.append(out)
+        states.append(state)
+    return torch.cat(outputs, dim=1), torch.cat(states)
+
+
+def _fla_chunked(q, k, v, g, beta, initial_state, scale, cu_seqlens):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule(
+        q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+        output_final_state=True, cu_seqlens=cu_seqlens,
+    )
+
+
+def chunked_gated_delta_rule(q, k, v, g, beta, initial_state, scale, cu_seqlens, use_l2, backend):
+    """Differentiable chunked evaluation of the rule: (output, final state)."""
+    if use_l2:
+        q, k = _l2norm(q), _l2norm(k)
+    chunked = {"torch": _torch_chunked, "fla": _fla_chunked}[backend]
+    return chunked(q, k, v, g, beta, initial_state, scale, cu_seqlens)
+
+
+class _RecurrentForwardChunkedBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, use_l2, backend):
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+        out, final_state = fused_recurrent_gated_delta_rule(
+            q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+            output_final_state=True, use_qk_l2norm_in_kernel=use_l2, cu_seqlens=cu_seqlens,
+        )
+        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        ctx.args = (scale, cu_seqlens, use_l2, backend)
+        return out, final_state
+
+    @staticmethod
+    def backward(ctx, d_out, d_final_state):
+        inputs = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            out, final_state = chunked_gated_delta_rule(*inputs, *ctx.args)
+            outputs, grads = [out], [d_out]
+            if d_final_state is not None:
+                outputs.append(final_state)
+                grads.append(d_final_state)
+            input_grads = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+        return (*input_grads, None, None, None, None)
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_backend: str = "torch",
+    **unused,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """megatron-core's GatedDeltaRuleInterface. q, k [B, T, H, K]; v [B, T, H, V];
+    g, beta [B, T, H]; initial_state [N, H, K, V] fp32 (zeros when None); varlen needs B = 1."""
+    if chunk_backend not in CHUNK_BACKENDS:
+        raise ValueError(f"--gdn-backward {chunk_backend}: expected one of {CHUNK_BACKENDS}")
+    if q.shape[2] != v.shape[2]:
+        raise ValueError("expand q/k heads to the value heads before the rule (as megatron-core does)")
+    num_sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is None:
+        initial_state = q.new_zeros(num_sequences, v.shape[2], q.shape[-1], v.shape[-1],
+                                    dtype=torch.float32)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, final_state = _RecurrentForwardChunkedBackward.apply(
+        q, k, v, g, beta, initial_state, scale, cu_seqlens, use_qk_l2norm_in_kernel, chunk_backend
+    )
+    return out, (final_state if output_final_state else None)
