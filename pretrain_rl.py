@@ -24,12 +24,14 @@ from megatron_rl_bi.models.build import (
 )
 from megatron_rl_bi.reporting.metrics import MetricsLogger
 from megatron_rl_bi.reporting.provenance import provenance
+from megatron_rl_bi.rl.checkpoint import load_pretrained_weights
 from megatron_rl_bi.rl.loop import LoopConfig, run_rl
 from megatron_rl_bi.rl_config import parse_rl_args, rl_configs
 
 
 def build_reference_model(args: argparse.Namespace, vocab_size: int, policy) -> torch.nn.Module:
-    """Frozen copy of the starting policy, for --grpo-kl-beta > 0."""
+    """Frozen copy of the starting policy (--pretrained-checkpoint or the initial weights), for
+    --grpo-kl-beta > 0. Built before any resume, so a resumed run has the same reference."""
     reference = build_gpt_model(args, vocab_size)
     reference.load_state_dict(policy.state_dict())
     reference.requires_grad_(False)
@@ -46,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     initialize_distributed(args.seed)
     set_batch_invariance(args)
     model = build_gpt_model(args, tokenizer.vocab_size)
+    if args.pretrained_checkpoint:
+        load_pretrained_weights(args.pretrained_checkpoint, model)
     ddp, optimizer = build_ddp_and_optimizer(args, model)
     generator = Generator(model, engine_config)
     is_logger = torch.distributed.get_rank() == 0

@@ -146,6 +146,10 @@ def validate_rl_args(args: argparse.Namespace) -> None:
         errors.append("--rl-overlong-buffer must be in [0, --rl-max-new-tokens]")
     if args.grpo_kl_beta < 0 or args.grpo_entropy_term_weight < 0:
         errors.append("--grpo-kl-beta and --grpo-entropy-term-weight must be >= 0")
+    if args.grpo_kl_beta > 0 and args.rl_sft_warmup_steps > 0:
+        errors.append("--grpo-kl-beta > 0 with --rl-sft-warmup-steps: the KL reference is the "
+                      "starting policy (--pretrained-checkpoint), not the warmed-up one; warm up "
+                      "in a separate run and pass its checkpoint")
     if args.save_interval and not args.save:
         errors.append("--save-interval needs --save DIR")
     if args.rl_default_top_k > 0 and args.rl_default_top_p > 0:

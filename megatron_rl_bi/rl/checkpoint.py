@@ -115,3 +115,29 @@ def load_checkpoint(load_dir: str, ddp, optimizer, load_optimizer: bool = True) 
     torch.cuda.set_rng_state(rng["cuda"])
     get_cuda_rng_tracker().set_states(rng["tracker"])
     return mine
+
+
+def resolve_checkpoint_dir(path: str) -> str:
+    """A Megatron torch_dist checkpoint directory from PATH: the directory itself (it holds
+    metadata.json), or the one PATH/latest_checkpointed_iteration.txt names (iter_N or release)."""
+    if os.path.exists(os.path.join(path, "metadata.json")):
+        return path
+    latest = os.path.join(path, LATEST)
+    if not os.path.exists(latest):
+        raise ValueError(f"--pretrained-checkpoint {path}: neither a dist checkpoint "
+                         f"(no metadata.json) nor a checkpoint root (no {LATEST})")
+    with open(latest) as f:
+        tag = f.read().strip()
+    name = "release" if tag == "release" else _dir_name(int(tag)) if tag.isdigit() else None
+    if name is None or not os.path.isdir(os.path.join(path, name)):
+        raise ValueError(f"{latest}: names {tag!r}, which is not a checkpoint under {path}")
+    return os.path.join(path, name)
+
+
+def load_pretrained_weights(path: str, model) -> None:
+    """Model weights only (no optimizer, no RL state) from a Megatron torch_dist checkpoint."""
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    bare = unwrap_model(model)
+    state = dist_checkpointing.load({"model": bare.sharded_state_dict(metadata=metadata)},
+                                    resolve_checkpoint_dir(path))
+    bare.load_state_dict(state["model"])

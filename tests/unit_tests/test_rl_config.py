@@ -59,3 +59,23 @@ def test_rl_configs_map_flags():
     assert step.loss.tis_cap == 2.0 and step.updates_per_step == 2
     assert sampling.max_new_tokens == 9 and sampling.eod_id == 2
     assert rollout.group_size == 8 and rollout.prompts_per_step == 8
+
+
+def test_kl_with_warm_up_is_refused():
+    with pytest.raises(ValueError, match="--grpo-kl-beta > 0 with --rl-sft-warmup-steps"):
+        parse_rl_args(MODEL + ["--grpo-kl-beta", "0.01", "--rl-sft-warmup-steps", "10"])
+
+
+def test_pretrained_checkpoint_resolution(tmp_path):
+    from megatron_rl_bi.rl.checkpoint import resolve_checkpoint_dir
+
+    (tmp_path / "iter_0000042").mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("42\n")
+    assert resolve_checkpoint_dir(str(tmp_path)) == str(tmp_path / "iter_0000042")
+    (tmp_path / "iter_0000042" / "metadata.json").write_text("{}")
+    assert resolve_checkpoint_dir(str(tmp_path / "iter_0000042")) == str(tmp_path / "iter_0000042")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release\n")
+    with pytest.raises(ValueError, match="names 'release'"):
+        resolve_checkpoint_dir(str(tmp_path))
+    with pytest.raises(ValueError, match="neither a dist checkpoint"):
+        resolve_checkpoint_dir(str(tmp_path / "nowhere"))
