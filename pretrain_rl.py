@@ -18,7 +18,7 @@ from megatron_rl_bi.envs.tokenizer import build_tokenizer
 from megatron_rl_bi.inference import Generator
 from megatron_rl_bi.models.build import (
     build_ddp_and_optimizer,
-    build_gpt_model,
+    build_model,
     initialize_distributed,
     set_batch_invariance,
 )
@@ -32,7 +32,7 @@ from megatron_rl_bi.rl_config import parse_rl_args, rl_configs
 def build_reference_model(args: argparse.Namespace, vocab_size: int, policy) -> torch.nn.Module:
     """Frozen copy of the starting policy (--pretrained-checkpoint or the initial weights), for
     --grpo-kl-beta > 0. Built before any resume, so a resumed run has the same reference."""
-    reference = build_gpt_model(args, vocab_size)
+    reference = build_model(args, vocab_size)
     reference.load_state_dict(policy.state_dict())
     reference.requires_grad_(False)
     return reference
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
 
     initialize_distributed(args.seed)
     set_batch_invariance(args)
-    model = build_gpt_model(args, tokenizer.vocab_size)
+    model = build_model(args, tokenizer.vocab_size)
     if args.pretrained_checkpoint:
         load_pretrained_weights(args.pretrained_checkpoint, model)
     ddp, optimizer = build_ddp_and_optimizer(args, model)

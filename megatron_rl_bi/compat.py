@@ -6,6 +6,8 @@ Every patch of a library lives here and nowhere else.
 import contextlib
 import importlib.util
 
+import torch
+
 from megatron.core.transformer.custom_layers import batch_invariant_kernels as _mcore_bik
 
 
@@ -33,3 +35,35 @@ def transformer_engine_optional():
         yield
     finally:
         _mcore_bik._te_patch_for_batch_invariant = original
+
+
+def fla_chunk_backward_works() -> bool:
+    """fla 0.6.0 refuses its chunked gated-delta-rule backward on Hopper (sm90) with Triton >= 3.4
+    and < 3.7.1 (a Triton miscompile it guards against). Where it refuses, the BI rule's backward
+    uses megatron-core's torch chunked rule instead. Remove when the supported Triton is >= 3.7.1.
+    """
+    from packaging.version import Version
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return True
+    import triton
+
+    triton_version = Version(triton.__version__.split("+")[0])
+    return not Version("3.4") <= triton_version < Version("3.7.1")
+
+
+@contextlib.contextmanager
+def hybrid_stack_final_norm(norm_class):
+    """megatron-core 0.19.2's HybridStack builds its final norm as `TENorm` unconditionally
+    (models/hybrid/hybrid_block.py, "Hybrid always uses TransformerEngine"). For the non-TE
+    hybrid spec, the stack is built with `norm_class` in its place. Remove once HybridStack takes
+    its final norm from the spec.
+    """
+    from megatron.core.models.hybrid import hybrid_block
+
+    original = hybrid_block.TENorm
+    hybrid_block.TENorm = norm_class
+    try:
+        yield
+    finally:
+        hybrid_block.TENorm = original

@@ -25,7 +25,7 @@ from megatron_rl_bi.config import (  # noqa: E402
 )
 from megatron_rl_bi.inference import Generator, Sampling  # noqa: E402
 from megatron_rl_bi.models.build import (  # noqa: E402
-    build_gpt_model,
+    build_model,
     initialize_distributed,
     set_batch_invariance,
 )
@@ -99,7 +99,7 @@ def main() -> None:
     for mode in args.parity_modes:
         args.batch_invariant_mode = mode == "bi"
         set_batch_invariance(args)
-        model = build_gpt_model(args, args.parity_vocab_size)
+        model = build_model(args, args.parity_vocab_size)
         if weights is None:
             weights = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
                        for k, v in model.state_dict().items()}

@@ -1,4 +1,4 @@
-"""Process setup and GPT model construction from parsed Megatron arguments.
+"""Process setup and model construction (dense GPT or hybrid GDN) from parsed Megatron arguments.
 
 The BI switch is set here, once, before the model is built: megatron-core's engine attention reads
 `config.batch_invariant_mode` at construction, so config and switch always agree.
@@ -10,13 +10,16 @@ import os
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 from megatron.training.argument_utils import core_transformer_config_from_args
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 
-from megatron_rl_bi import bi
+from megatron_rl_bi import bi, compat
 from megatron_rl_bi.models.gpt_spec import dense_gpt_block_spec
+from megatron_rl_bi.models.hybrid_spec import local_hybrid_stack_spec
+from megatron_rl_bi.models.norm import RMSNorm
 
 
 def initialize_distributed(seed: int) -> None:
@@ -42,17 +45,17 @@ def set_batch_invariance(args: argparse.Namespace) -> None:
     bi.enable() if args.batch_invariant_mode else bi.disable()
 
 
-def build_gpt_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
-    """GPTModel on the current GPU, bf16 params when --bf16 (Megatron's Float16Module)."""
+def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
+    """The model on the current GPU, bf16 params under --bf16 (Megatron's Float16Module): a
+    hybrid GDN/attention/MLP stack when --hybrid-layer-pattern is given, else a dense GPT."""
     if args.batch_invariant_mode != bi.enabled():
-        raise RuntimeError("call set_batch_invariance(args) before build_gpt_model")
+        raise RuntimeError("call set_batch_invariance(args) before build_model")
     args.padded_vocab_size = calculate_padded_vocab_size(
         vocab_size, args.make_vocab_size_divisible_by, 1, logging_enabled=False
     )
     config = core_transformer_config_from_args(args)
-    model = GPTModel(
+    common = dict(
         config=config,
-        transformer_layer_spec=dense_gpt_block_spec(config, args.transformer_impl, args.qk_layernorm),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
@@ -60,6 +63,22 @@ def build_gpt_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Modul
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
     )
+    if args.hybrid_layer_pattern:
+        if args.transformer_impl != "local":
+            raise ValueError("--hybrid-layer-pattern: only --transformer-impl local is supported")
+        with compat.hybrid_stack_final_norm(RMSNorm):
+            model = HybridModel(
+                hybrid_stack_spec=local_hybrid_stack_spec(),
+                hybrid_layer_pattern=args.hybrid_layer_pattern,
+                **common,
+            )
+    else:
+        model = GPTModel(
+            transformer_layer_spec=dense_gpt_block_spec(
+                config, args.transformer_impl, args.qk_layernorm
+            ),
+            **common,
+        )
     model.cuda(torch.cuda.current_device())
     if args.bf16 or args.fp16:
         model = Float16Module(config, model)

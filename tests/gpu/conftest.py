@@ -23,9 +23,9 @@ def distributed():
 
 def build_dense(batch_invariant: bool, extra: list[str] = ()):
     from megatron_rl_bi.config import parse_args
-    from megatron_rl_bi.models.build import build_gpt_model, set_batch_invariance
+    from megatron_rl_bi.models.build import build_model, set_batch_invariance
 
     args = parse_args(TINY_DENSE_ARGS + (["--batch-invariant-mode"] if batch_invariant else []) + list(extra))
     set_batch_invariance(args)
     torch.manual_seed(1234)
-    return build_gpt_model(args, VOCAB_SIZE)
+    return build_model(args, VOCAB_SIZE)
