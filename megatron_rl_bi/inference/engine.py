@@ -12,7 +12,7 @@ the duration of a generation, so the trainer's forward between generations runs 
 from dataclasses import dataclass
 
 import torch
-from megatron.core.inference.config import InferenceConfig
+from megatron.core.inference.config import InferenceConfig, MambaInferenceStateConfig
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
 from megatron.core.inference.inference_request import Status
@@ -24,6 +24,8 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
     TextGenerationController,
 )
 from megatron.core.inference.utils import InferenceMode
+from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_rl_bi import bi
 
@@ -86,6 +88,31 @@ class Generation:
         return values, mask
 
 
+def gdn_inference_state_config(model: torch.nn.Module) -> MambaInferenceStateConfig | None:
+    """Per-request state slots for a hybrid model's GDN layers, or None without GDN layers.
+
+    megatron-core 0.19.2's dynamic context allocates recurrent-state slots only for layers marked
+    Mamba ('M') and refuses 'G'; the GDN layers are declared as 'M' with GDN's state shapes
+    (conv [D, kernel width] in the params dtype, recurrent [HV, K, V] in fp32). Hybrid models
+    with real Mamba layers are not supported (one state shape serves all such layers).
+    """
+    decoder = get_attr_wrapped_model(model, "decoder")
+    layer_types = list(getattr(decoder, "layer_type_list", []) or [])
+    if Symbols.GDN not in layer_types:
+        return None
+    if Symbols.MAMBA in layer_types:
+        raise ValueError("hybrid models with both GDN ('G') and Mamba ('M') layers")
+    gdn = next(layer.self_attention for kind, layer in zip(layer_types, decoder.layers)
+               if kind == Symbols.GDN)
+    return MambaInferenceStateConfig(
+        layer_type_list=[Symbols.MAMBA if kind == Symbols.GDN else kind for kind in layer_types],
+        conv_states_shape=(gdn.conv_dim_local_tp, gdn.conv_kernel_dim),
+        ssm_states_shape=(gdn.num_v_heads_local_tp, gdn.key_head_dim, gdn.value_head_dim),
+        conv_states_dtype=model.config.params_dtype,
+        ssm_states_dtype=torch.float32,
+    )
+
+
 class _TokenIdsOnly:
     """The engine detokenizes every finished request; rollouts here stay token ids."""
 
@@ -114,6 +141,7 @@ class Generator:
             enable_chunked_prefill=False,
             logprobs_mode="raw_logprobs",
             num_cuda_graphs=None,
+            mamba_inference_state_config=gdn_inference_state_config(model),
         )
         context = DynamicInferenceContext(model.config, inference_config)
         controller = TextGenerationController(GPTInferenceWrapper(model, context), _TokenIdsOnly())

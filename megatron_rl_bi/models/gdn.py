@@ -1,12 +1,24 @@
-"""megatron-core's GatedDeltaNet with its rule chosen by the BI switch at call time.
+"""megatron-core's GatedDeltaNet, made to serve both the trainer and the dynamic engine.
 
-BI on: `gdn_rule.recurrent_gated_delta_rule` (fla's recurrent kernel forward, the kernel the
-engine runs for prefill and decode; chunked backward). BI off: megatron-core's own choice (fla's
-chunked kernel). Everything else (projections, conv, gates, gated norm) is megatron-core's layer;
-its norm and linears come from the spec.
+BI mode: one varlen function (`_varlen_core`) runs the layer for the trainer (packed sequences,
+zero initial states) and for the engine (every active request a sequence, decode requests of
+length 1, initial states from the request's slot), with fla's `causal_conv1d` and fla's recurrent
+gated-delta-rule kernel (`gdn_rule`) in both. Default mode: the trainer runs megatron-core's own
+forward (chunked kernel); the engine runs `_varlen_core` with the chunked kernel when a prefill is
+in the step and the recurrent one for decode-only steps.
+
+The engine keeps per-request conv and recurrent states in megatron-core's Mamba state slots
+(`inference.engine.gdn_inference_state_config` declares GDN layers to it). megatron-core 0.19.2's
+own GatedDeltaNet refuses any inference context.
 """
 
+import torch
+from fla.modules.convolution import causal_conv1d
+from megatron.core.inference.contexts.attention_context.triton.tensor_ops import (
+    tensor_masked_update,
+)
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+from megatron.core.utils import deprecate_inference_params
 
 from megatron_rl_bi import bi, compat
 from megatron_rl_bi.models.gdn_rule import recurrent_gated_delta_rule
@@ -15,13 +27,108 @@ from megatron_rl_bi.models.gdn_rule import recurrent_gated_delta_rule
 class SwitchedGatedDeltaNet(GatedDeltaNet):
     def _setup_variant_attrs(self):
         super()._setup_variant_attrs()
+        if self.tp_size != 1 or self.cp_size != 1 or self.config.sequence_parallel:
+            raise ValueError("SwitchedGatedDeltaNet supports TP = CP = 1 without sequence parallel")
         self._stock_rule = self.gated_delta_rule
         self._chunk_backend = "fla" if compat.fla_chunk_backward_works() else "torch"
         self.gated_delta_rule = self._rule
 
-    def _rule(self, q, k, v, g, beta, **kwargs):
-        if bi.enabled():
+    def _rule(self, q, k, v, g, beta, recurrent: bool | None = None, **kwargs):
+        if bi.enabled() if recurrent is None else recurrent:
             return recurrent_gated_delta_rule(
                 q, k, v, g, beta, chunk_backend=self._chunk_backend, **kwargs
             )
         return self._stock_rule(q, k, v, g=g, beta=beta, **kwargs)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        inference_context=None,
+        packed_seq_params=None,
+        sequence_len_offset=None,
+        *,
+        inference_params=None,
+        **kwargs,
+    ):
+        context = deprecate_inference_params(inference_context, inference_params)
+        if context is not None:
+            if not context.is_dynamic_batching():
+                raise NotImplementedError("GDN layers run in megatron-core's dynamic engine only")
+            return self._engine_forward(hidden_states, context)
+        if bi.enabled():
+            return self._trainer_forward(hidden_states, packed_seq_params)
+        return super().forward(
+            hidden_states, attention_mask, packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset, **kwargs,
+        )
+
+    def _zero_states(self, num_sequences: int, like: torch.Tensor):
+        conv = like.new_zeros(num_sequences, self.conv_dim_local_tp, self.conv_kernel_dim)
+        rule = like.new_zeros(num_sequences, self.num_v_heads_local_tp, self.key_head_dim,
+                              self.value_head_dim, dtype=torch.float32)
+        return conv, rule
+
+    def _trainer_forward(self, hidden_states, packed_seq_params):
+        seq_len, batch, hidden = hidden_states.shape  # [s, b, h]; THD has b = 1
+        if packed_seq_params is not None:
+            cu_seqlens = packed_seq_params.cu_seqlens_q
+            tokens = hidden_states[:, 0]
+        else:
+            cu_seqlens = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32,
+                                      device=hidden_states.device)
+            tokens = hidden_states.transpose(0, 1).reshape(-1, hidden)
+        conv_state, rule_state = self._zero_states(cu_seqlens.numel() - 1, hidden_states)
+        out, bias, _, _ = self._varlen_core(tokens, cu_seqlens, conv_state, rule_state, True)
+        if packed_seq_params is None:
+            return out.reshape(batch, seq_len, -1).transpose(0, 1), bias
+        return out.unsqueeze(1), bias
+
+    def _engine_forward(self, hidden_states, context):
+        """Active tokens are [decode requests' tokens..., prefill requests' tokens..., padding]."""
+        if context.num_speculative_tokens:
+            raise NotImplementedError("GDN layers with speculative decoding")
+        conv_state, rule_state = context.mamba_states_cache(self.layer_number)
+        metadata, dims = context.mamba_metadata, context.batch_dimensions
+        num_decode, num_prefill = dims.decode_req_count, dims.prefill_req_count
+        prefill_bounds = metadata.cu_seqlens_list[: num_prefill + 1] if num_prefill else [0]
+        lengths = [1] * num_decode + [b - a for a, b in zip(prefill_bounds[:-1], prefill_bounds[1:])]
+        device = hidden_states.device
+        cu_seqlens = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(),
+                                  dtype=torch.int32, device=device)
+        slots = torch.cat([metadata.batch_indices_decode[:num_decode].long(),
+                           metadata.batch_indices_prefill[:num_prefill].long()])
+        real = sum(lengths)
+        recurrent = bi.enabled() or num_prefill == 0
+        out, bias, conv_final, rule_final = self._varlen_core(
+            hidden_states[:real, 0], cu_seqlens, conv_state[slots], rule_state[slots], recurrent
+        )
+        tensor_masked_update(conv_state, slots, conv_final)
+        tensor_masked_update(rule_state, slots, rule_final)
+        padded = out.new_zeros(hidden_states.shape[0], 1, out.shape[-1])
+        padded[:real, 0] = out
+        return padded, bias
+
+    def _varlen_core(self, tokens, cu_seqlens, conv_initial, rule_initial, recurrent):
+        """tokens [T, h] of N sequences (cu_seqlens [N + 1]), initial states [N, D, W] and
+        [N, HV, K, V] -> (output [T, h], out_proj bias, final conv and rule states)."""
+        num_tokens = tokens.shape[0]
+        projected, _ = self.in_proj(tokens.unsqueeze(1))  # [T, 1, P]
+        qkv, gate, beta, alpha = torch.split(projected.transpose(0, 1), self.feat_dim_split, dim=-1)
+        gate = gate.reshape(1, num_tokens, -1, self.value_head_dim)
+        qkv, conv_final = causal_conv1d(
+            x=qkv, weight=self.conv1d.weight.squeeze(1),
+            bias=self.conv1d.bias if self.conv_bias else None, activation=self.activation,
+            initial_state=conv_initial, output_final_state=True, cu_seqlens=cu_seqlens,
+        )
+        query, key, value, gate, beta, alpha = self._prepare_input_for_gated_delta_rule(
+            qkv, gate, 1, num_tokens, beta, alpha
+        )
+        g, beta = self._compute_g_and_beta(self.A_log, self.dt_bias, alpha, beta)
+        core, rule_final = self._rule(
+            query, key, value, g, beta, recurrent=recurrent, initial_state=rule_initial,
+            output_final_state=True, cu_seqlens=cu_seqlens,
+        )
+        norm_out = self._gated_norm_and_a2a(core, gate, None, 1, num_tokens, None)  # [T, 1, v]
+        out, bias = self.out_proj(norm_out)
+        return out[:, 0], bias, conv_final, rule_final
