@@ -1,4 +1,5 @@
-"""Engine vs trainer logprob parity for a GPT model built from Megatron flags; writes JSON.
+"""Engine vs trainer logprob parity for a model built from Megatron flags (dense GPT, or hybrid
+GDN with --hybrid-layer-pattern); writes JSON.
 
   python tools/check_parity.py --flash-attention-version 4 --parity-modes bi default \
       --num-layers 4 --hidden-size 512 ... --parity-output results/parity_dense_h200.json
@@ -114,7 +115,8 @@ def main() -> None:
         del generator, model
         torch.cuda.empty_cache()
     report["model"] = {
-        "num_layers": args.num_layers, "hidden_size": args.hidden_size,
+        "num_layers": args.num_layers, "hybrid_layer_pattern": args.hybrid_layer_pattern,
+        "hidden_size": args.hidden_size,
         "ffn_hidden_size": args.ffn_hidden_size, "num_attention_heads": args.num_attention_heads,
         "num_query_groups": args.num_query_groups, "vocab_size": args.padded_vocab_size,
         "params_dtype": str(args.params_dtype), "transformer_impl": args.transformer_impl,
