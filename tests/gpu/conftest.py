@@ -1,14 +1,24 @@
 import pytest
 import torch
 
+COMMON_ARGS = [
+    "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16",
+    "--seq-length", "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "1",
+    "--flash-attention-version", "4", "--seed", "1234",
+]
 TINY_DENSE_ARGS = [
     # Large enough (K = 2048) that stock cuBLAS/FlashAttention schedules differ between decode
     # and trainer shapes, so the default-mode check can see a mismatch.
     "--num-layers", "4", "--hidden-size", "2048", "--ffn-hidden-size", "5632",
     "--num-attention-heads", "16", "--group-query-attention", "--num-query-groups", "4",
-    "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16",
-    "--seq-length", "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "1",
-    "--flash-attention-version", "4", "--seed", "1234",
+    *COMMON_ARGS,
+]
+TINY_HYBRID_ARGS = [
+    "--hybrid-layer-pattern", "G-G-G-*-", "--hidden-size", "512", "--ffn-hidden-size", "1408",
+    "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2",
+    "--linear-num-key-heads", "4", "--linear-num-value-heads", "8",
+    "--linear-key-head-dim", "64", "--linear-value-head-dim", "64", "--linear-conv-kernel-dim", "4",
+    *COMMON_ARGS,
 ]
 VOCAB_SIZE = 32000
 

@@ -7,27 +7,16 @@ import torch
 from megatron_rl_bi import bi
 from megatron_rl_bi.rl.packing import pack_sequences
 
-from .conftest import VOCAB_SIZE
+from .conftest import TINY_HYBRID_ARGS, VOCAB_SIZE
 
 pytestmark = pytest.mark.gpu
-
-TINY_HYBRID_ARGS = [
-    "--hybrid-layer-pattern", "G-G-G-*-", "--hidden-size", "512", "--ffn-hidden-size", "1408",
-    "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2",
-    "--linear-num-key-heads", "4", "--linear-num-value-heads", "8",
-    "--linear-key-head-dim", "64", "--linear-value-head-dim", "64", "--linear-conv-kernel-dim", "4",
-    "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16",
-    "--seq-length", "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "1",
-    "--flash-attention-version", "4", "--seed", "1234", "--batch-invariant-mode",
-]
-
 
 @pytest.fixture(scope="module")
 def hybrid(distributed):
     from megatron_rl_bi.config import parse_args
     from megatron_rl_bi.models.build import build_model, set_batch_invariance
 
-    args = parse_args(TINY_HYBRID_ARGS)
+    args = parse_args(TINY_HYBRID_ARGS + ["--batch-invariant-mode"])
     set_batch_invariance(args)
     torch.manual_seed(0)
     yield build_model(args, VOCAB_SIZE)
