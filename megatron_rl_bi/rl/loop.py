@@ -20,8 +20,8 @@ from megatron_rl_bi.rl.rollouts import RolloutConfig, collect_rollouts
 from megatron_rl_bi.rl.sft import sft_step
 from megatron_rl_bi.rl.step import StepConfig, train_on_rollouts
 
-_SUMMED_STATS = ("rollouts/groups", "rollouts/groups_dropped", "rollouts/rounds",
-                 "rollouts/generated", "rollouts/verifier_failures")
+_SUMMED_STATS = ("rollouts/groups", "rollouts/groups_dropped", "rollouts/generated",
+                 "rollouts/verifier_failures")
 # SFT examples come from a far-away stretch of the task's index space, disjoint from RL prompts.
 _SFT_INDEX_OFFSET = 1 << 40
 

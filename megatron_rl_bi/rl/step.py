@@ -84,6 +84,8 @@ def _global_parity(train: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor
         torch.distributed.ReduceOp.MAX,
     )
     total = sums[3].item()
+    if total == 0:
+        return parity_metrics(train, engine, torch.zeros_like(mask))  # NaN diffs, 0 tokens
     return {
         "bit_wise/logprob_diff/mean": sums[0].item() / total,
         "bit_wise/logprob_diff/abs_mean": sums[1].item() / total,
@@ -113,6 +115,10 @@ def train_on_rollouts(
     num_updates = config.updates_per_step
     minibatches = [rollouts[i::num_updates] for i in range(num_updates)]
     counts = _global_counts(minibatches)
+    if (counts[:, 0] == 0).all():
+        # e.g. dynamic sampling kept no group on any rank: nothing to learn from this step.
+        empty = torch.zeros(0)
+        return {"update_skipped": 1.0, **_global_parity(empty, empty, empty.bool())}
     if (counts[:, 0] == 0).any():
         raise ValueError("a mini-batch has no completion tokens: fewer rollouts than --grpo-iterations")
     ddp.train()
@@ -167,7 +173,9 @@ def train_on_rollouts(
                                       device=torch.cuda.current_device()))
     result = dict(zip(names, summed.tolist()))
     result["grad_norm"] = totals["grad_norm"]
-    train, engine, mask = (torch.cat(t) for t in zip(*parity_parts))
+    result["update_skipped"] = 0.0
+    empty = [(torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool))]
+    train, engine, mask = (torch.cat([t.cpu() for t in parts]) for parts in zip(*(parity_parts or empty)))
     result.update(_global_parity(train, engine, mask))
     return result
 
