@@ -39,7 +39,9 @@ class _Packed:
     sequence_ids: torch.Tensor  # [T] int64, local to the micro-batch
 
 
-def _pack(rollouts: list[Rollout]) -> _Packed:
+def pack_rollouts(rollouts: list[Rollout], device) -> _Packed:
+    """Rollouts -> one THD micro-batch with per-position completion mask, engine logprobs,
+    advantages and sequence ids (laid out by predicting position, see rl/packing.py)."""
     batch = pack_sequences([r.tokens for r in rollouts])
     prompt_lens = [len(r.prompt_tokens) for r in rollouts]
     completion = [torch.arange(len(r.tokens) - 1) >= p - 1 for r, p in zip(rollouts, prompt_lens)]
@@ -49,7 +51,6 @@ def _pack(rollouts: list[Rollout]) -> _Packed:
     ]
     advantages = [torch.full((len(r.tokens) - 1,), r.advantage) for r in rollouts]
     sequence_ids = [torch.full((len(r.tokens) - 1,), i) for i, r in enumerate(rollouts)]
-    device = torch.cuda.current_device()
     return _Packed(
         batch=batch.to(device),
         completion=pack_token_values(completion, batch).to(device),
@@ -128,7 +129,7 @@ def train_on_rollouts(
     if needs_old:  # the policy that generated, before any update
         with torch.no_grad():
             for micro in micro_batches(rollouts, config.micro_batch_tokens):
-                packed = _pack(micro)
+                packed = pack_rollouts(micro, torch.cuda.current_device())
                 logprobs, _ = forward_logprobs(ddp, packed.batch)
                 parity_parts.append((logprobs, packed.engine_logprobs, packed.completion))
                 for rollout, old in zip(micro, _split(logprobs, packed)):
@@ -138,7 +139,7 @@ def train_on_rollouts(
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         for micro in micro_batches(minibatch, config.micro_batch_tokens):
-            packed = _pack(micro)
+            packed = pack_rollouts(micro, torch.cuda.current_device())
             logprobs, entropy = forward_logprobs(ddp, packed.batch, with_entropy)
             if needs_old:
                 old = torch.cat([old_by_rollout[id(r)] for r in micro])
