@@ -169,8 +169,12 @@ def train_on_rollouts(
         ddp.finish_grad_sync()
         _, grad_norm, _ = optimizer.step()
         totals["grad_norm"] = totals.get("grad_norm", 0.0) + (grad_norm or 0.0) / num_updates
-    names = [n for n in totals if n != "grad_norm"]
-    summed = _all_reduce(torch.tensor([totals[n] for n in names], dtype=torch.float64,
+    # A rank can have no rollouts in a step (dynamic sampling); reduce over the union of names.
+    local_names = [n for n in totals if n != "grad_norm"]
+    every_rank = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every_rank, local_names)
+    names = sorted(set().union(*every_rank))
+    summed = _all_reduce(torch.tensor([totals.get(n, 0.0) for n in names], dtype=torch.float64,
                                       device=torch.cuda.current_device()))
     result = dict(zip(names, summed.tolist()))
     result["grad_norm"] = totals["grad_norm"]
