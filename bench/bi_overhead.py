@@ -10,11 +10,12 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.timing import seconds  # noqa: E402
 
 from megatron_rl_bi.config import engine_config_from_args, parse_args  # noqa: E402
 from megatron_rl_bi.inference import Generator, Sampling  # noqa: E402
@@ -40,16 +41,6 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _seconds(fn, repeats: int) -> float:
-    fn()  # warm-up (compilation, autotuning)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats
-
-
 def measure(args, mode: str, weights) -> dict:
     args.batch_invariant_mode = mode == "bi"
     set_batch_invariance(args)
@@ -69,8 +60,8 @@ def measure(args, mode: str, weights) -> dict:
     generator = Generator(model, engine_config_from_args(args))
     sampling = Sampling(max_new_tokens=args.bench_new_tokens, seed=0)
     result = {
-        "train_fwd_bwd_s": _seconds(train_step, args.bench_repeats),
-        "generate_s": _seconds(lambda: generator.generate(prompts, sampling), args.bench_repeats),
+        "train_fwd_bwd_s": seconds(train_step, args.bench_repeats),
+        "generate_s": seconds(lambda: generator.generate(prompts, sampling), args.bench_repeats),
     }
     state = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
     del generator, model

@@ -13,6 +13,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.timing import seconds  # noqa: E402
+
 from megatron_rl_bi import compat  # noqa: E402
 from megatron_rl_bi.models.gdn_rule import recurrent_gated_delta_rule  # noqa: E402
 from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
@@ -30,18 +32,6 @@ def _inputs(tokens, sequences, heads, dim):
     return [t.requires_grad_(True) for t in (q, k, v, g, beta)], cu
 
 
-def _time_ms(fn, repeats=10):
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
-
-
 def measure(tokens, sequences, heads, dim) -> dict:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -53,14 +43,14 @@ def measure(tokens, sequences, heads, dim) -> dict:
 
     results = {}
     with torch.no_grad():
-        results["recurrent_forward_ms"] = _time_ms(
-            lambda: recurrent_gated_delta_rule(*inputs[:3], inputs[3], inputs[4], cu_seqlens=cu))
-    results["bi_torch_backward_step_ms"] = _time_ms(
+        results["recurrent_forward_ms"] = 1000 * seconds(
+            lambda: recurrent_gated_delta_rule(*inputs[:3], inputs[3], inputs[4], cu_seqlens=cu), 10)
+    results["bi_torch_backward_step_ms"] = 1000 * seconds(
         lambda: step(lambda *a, **k: recurrent_gated_delta_rule(*a, chunk_backend="torch", **k)), 3)
     if compat.fla_chunk_backward_works():
-        results["bi_fla_backward_step_ms"] = _time_ms(
-            lambda: step(lambda *a, **k: recurrent_gated_delta_rule(*a, chunk_backend="fla", **k)))
-        results["fla_chunk_step_ms"] = _time_ms(lambda: step(chunk_gated_delta_rule))
+        results["bi_fla_backward_step_ms"] = 1000 * seconds(
+            lambda: step(lambda *a, **k: recurrent_gated_delta_rule(*a, chunk_backend="fla", **k)), 10)
+        results["fla_chunk_step_ms"] = 1000 * seconds(lambda: step(chunk_gated_delta_rule), 10)
         results["ratio_bi_fla_vs_fla_chunk"] = (
             results["bi_fla_backward_step_ms"] / results["fla_chunk_step_ms"])
     return results
