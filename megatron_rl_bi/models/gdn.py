@@ -96,8 +96,13 @@ class SwitchedGatedDeltaNet(GatedDeltaNet):
         device = hidden_states.device
         cu_seqlens = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(),
                                   dtype=torch.int32, device=device)
-        slots = torch.cat([metadata.batch_indices_decode[:num_decode].long(),
-                           metadata.batch_indices_prefill[:num_prefill].long()])
+        # (either index tensor is None in a step without requests of its kind)
+        slots = torch.cat([
+            indices[:count].long()
+            for indices, count in ((metadata.batch_indices_decode, num_decode),
+                                   (metadata.batch_indices_prefill, num_prefill))
+            if count
+        ])
         real = sum(lengths)
         recurrent = bi.enabled() or num_prefill == 0
         out, bias, conv_final, rule_final = self._varlen_core(
