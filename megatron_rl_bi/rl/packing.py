@@ -76,6 +76,12 @@ def pack_sequences(sequences: list[list[int]]) -> PackedBatch:
     )
 
 
+def completion_mask(prompt_length: int, length: int) -> torch.Tensor:
+    """bool [length - 1], by predicting position: True where the predicted token is one of the
+    tokens after the first `prompt_length` (a completion or answer token)."""
+    return torch.arange(length - 1) >= prompt_length - 1
+
+
 def pack_token_values(
     values: list[torch.Tensor], batch: PackedBatch, fill: float = 0.0
 ) -> torch.Tensor:

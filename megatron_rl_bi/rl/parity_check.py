@@ -11,7 +11,12 @@ import torch
 
 from megatron_rl_bi.inference import Generation, Generator, Sampling
 from megatron_rl_bi.models.logprobs import forward_logprobs
-from megatron_rl_bi.rl.packing import micro_batches, pack_sequences, pack_token_values
+from megatron_rl_bi.rl.packing import (
+    completion_mask,
+    micro_batches,
+    pack_sequences,
+    pack_token_values,
+)
 from megatron_rl_bi.rl.parity import parity_metrics
 
 
@@ -44,9 +49,7 @@ def trainer_vs_engine(
     for group in micro_batches(generations, micro_batch_tokens):
         batch = pack_sequences([g.tokens for g in group])
         reported = [g.reported_logprobs() for g in group]
-        generated = [
-            torch.arange(len(g.tokens) - 1) >= len(g.prompt_tokens) - 1 for g in group
-        ]
+        generated = [completion_mask(len(g.prompt_tokens), len(g.tokens)) for g in group]
         parts["train"].append(forward_logprobs(model, batch.to("cuda"))[0].detach().cpu())
         parts["engine"].append(pack_token_values([values for values, _ in reported], batch))
         parts["reported"].append(pack_token_values([mask for _, mask in reported], batch))

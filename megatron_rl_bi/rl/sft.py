@@ -8,7 +8,7 @@ import torch
 
 from megatron_rl_bi.envs import Example
 from megatron_rl_bi.models.logprobs import forward_logprobs
-from megatron_rl_bi.rl.packing import pack_sequences, pack_token_values
+from megatron_rl_bi.rl.packing import completion_mask, pack_sequences, pack_token_values
 
 
 def sft_step(ddp, optimizer, examples: list[Example], tokenizer) -> float:
@@ -17,7 +17,7 @@ def sft_step(ddp, optimizer, examples: list[Example], tokenizer) -> float:
     answers = [tokenizer.encode(e.answer) + [tokenizer.eod] for e in examples]
     batch = pack_sequences([p + a for p, a in zip(prompts, answers)])
     answer_mask = pack_token_values(
-        [torch.arange(len(p) + len(a) - 1) >= len(p) - 1 for p, a in zip(prompts, answers)], batch
+        [completion_mask(len(p), len(p) + len(a)) for p, a in zip(prompts, answers)], batch
     ).to(torch.cuda.current_device())
     tokens = torch.tensor([float(answer_mask.sum())], device=answer_mask.device)
     torch.distributed.all_reduce(tokens)

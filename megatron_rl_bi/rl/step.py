@@ -14,7 +14,13 @@ import torch
 
 from megatron_rl_bi.models.logprobs import forward_logprobs
 from megatron_rl_bi.rl.losses import LossConfig, LossInputs, policy_loss, token_weights
-from megatron_rl_bi.rl.packing import PackedBatch, micro_batches, pack_sequences, pack_token_values
+from megatron_rl_bi.rl.packing import (
+    PackedBatch,
+    completion_mask,
+    micro_batches,
+    pack_sequences,
+    pack_token_values,
+)
 from megatron_rl_bi.rl.parity import parity_metrics
 from megatron_rl_bi.rl.rollouts import Rollout
 
@@ -44,7 +50,7 @@ def pack_rollouts(rollouts: list[Rollout], device) -> _Packed:
     advantages and sequence ids (laid out by predicting position, see rl/packing.py)."""
     batch = pack_sequences([r.tokens for r in rollouts])
     prompt_lens = [len(r.prompt_tokens) for r in rollouts]
-    completion = [torch.arange(len(r.tokens) - 1) >= p - 1 for r, p in zip(rollouts, prompt_lens)]
+    completion = [completion_mask(p, len(r.tokens)) for r, p in zip(rollouts, prompt_lens)]
     engine = [
         torch.tensor([0.0] * (p - 1) + r.engine_logprobs, dtype=torch.float32)
         for r, p in zip(rollouts, prompt_lens)

@@ -51,3 +51,11 @@ def test_micro_batches_respect_the_token_budget():
     groups = micro_batches(items, max_tokens=7)
     assert [[len(i.tokens) for i in g] for g in groups] == [[3, 4], [2], [9], [1]]
     assert micro_batches([], 5) == []
+
+
+def test_completion_mask_by_predicting_position():
+    from megatron_rl_bi.rl.packing import completion_mask
+
+    # prompt [5, 6], completion [7, 8]: positions 0..2 predict 6, 7, 8
+    assert completion_mask(2, 4).tolist() == [False, True, True]
+    assert completion_mask(1, 3).tolist() == [True, True]
