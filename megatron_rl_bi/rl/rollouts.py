@@ -48,10 +48,11 @@ class RolloutConfig:
     """Divide advantages by the group's reward std (--rl-advantage-std / --no-...)."""
 
 
-def _score_group(examples, generations, tokenizer, sampling, config, group_id, weight_version):
-    """Rollouts with rewards (task reward + overlong shaping), and the raw task rewards."""
+def _score_group(example, generations, tokenizer, sampling, config, group_id, weight_version):
+    """One prompt's rollouts with rewards (task reward + overlong shaping), and the raw task
+    rewards."""
     rollouts, task_rewards, failures = [], [], 0
-    for example, generation in zip(examples, generations):
+    for generation in generations:
         completion = generation.generated_tokens
         text_tokens = completion[:-1] if generation.stopped_on_eod else completion
         reward, failed = safe_reward(example.verify, tokenizer.decode(text_tokens))
@@ -96,7 +97,7 @@ def collect_rollouts(
         for i, example in enumerate(examples):
             span = slice(i * config.group_size, (i + 1) * config.group_size)
             group, rewards_of_group, failed = _score_group(
-                [example] * config.group_size, generations[span], tokenizer, sampling, config,
+                example, generations[span], tokenizer, sampling, config,
                 len(groups), weight_version,
             )
             failures += failed
