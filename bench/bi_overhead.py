@@ -21,6 +21,7 @@ from megatron_rl_bi.config import engine_config_from_args, parse_args  # noqa: E
 from megatron_rl_bi.inference import Generator, Sampling  # noqa: E402
 from megatron_rl_bi.models.build import (  # noqa: E402
     build_model,
+    cpu_state_dict,
     initialize_distributed,
     set_batch_invariance,
 )
@@ -63,7 +64,7 @@ def measure(args, mode: str, weights) -> dict:
         "train_fwd_bwd_s": seconds(train_step, args.bench_repeats),
         "generate_s": seconds(lambda: generator.generate(prompts, sampling), args.bench_repeats),
     }
-    state = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
+    state = cpu_state_dict(model)
     del generator, model
     torch.cuda.empty_cache()
     return result, state

@@ -27,6 +27,7 @@ from megatron_rl_bi.config import (  # noqa: E402
 from megatron_rl_bi.inference import Generator, Sampling  # noqa: E402
 from megatron_rl_bi.models.build import (  # noqa: E402
     build_model,
+    cpu_state_dict,
     initialize_distributed,
     set_batch_invariance,
 )
@@ -102,8 +103,7 @@ def main() -> None:
         set_batch_invariance(args)
         model = build_model(args, args.parity_vocab_size)
         if weights is None:
-            weights = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
-                       for k, v in model.state_dict().items()}
+            weights = cpu_state_dict(model)
         else:
             model.load_state_dict(weights)
         generator = Generator(model, engine_config)

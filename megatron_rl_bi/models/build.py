@@ -85,6 +85,13 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
     return model
 
 
+def cpu_state_dict(model: torch.nn.Module) -> dict:
+    """A CPU copy of the model's weights (non-tensor extra state as is), to build the same model
+    again in another kernel mode."""
+    return {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+            for k, v in model.state_dict().items()}
+
+
 def build_ddp_and_optimizer(args: argparse.Namespace, model: torch.nn.Module):
     """Megatron DDP + Megatron optimizer (fp32 main params under --bf16), from Megatron flags.
 
