@@ -8,6 +8,7 @@ resumed from a checkpoint repeats the uninterrupted one.
 """
 
 import time
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -93,7 +94,7 @@ def run_rl(
     started = time.time()
     for step in range(start_step + 1, config.steps + 1):
         step_start = time.time()
-        step_sampling = Sampling(**{**vars(sampling), "seed": sampling.seed + 1_000_003 * step + rank})
+        step_sampling = dataclasses.replace(sampling, seed=sampling.seed + 1_000_003 * step + rank)
         groups, stats = collect_rollouts(generator, source, tokenizer, step_sampling,
                                          rollout_config, weight_version)
         generation_s = time.time() - step_start

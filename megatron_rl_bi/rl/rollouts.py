@@ -5,6 +5,7 @@ groups whose rewards differ and draws new prompts until the step has enough grou
 `max_rounds` is reached; the step then trains on what it has and says so in its metrics).
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -92,7 +93,7 @@ def collect_rollouts(
     while len(groups) < config.prompts_per_step and rounds < config.max_rounds:
         examples = source.take(config.prompts_per_step - len(groups))
         prompts = [tokenizer.encode(e.prompt) for e in examples for _ in range(config.group_size)]
-        round_sampling = Sampling(**{**vars(sampling), "seed": sampling.seed + 7919 * rounds})
+        round_sampling = dataclasses.replace(sampling, seed=sampling.seed + 7919 * rounds)
         generations = generator.generate(prompts, round_sampling)
         for i, example in enumerate(examples):
             span = slice(i * config.group_size, (i + 1) * config.group_size)

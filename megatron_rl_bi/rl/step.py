@@ -8,6 +8,7 @@ logprobs before the first update are the ratio's denominator ("old"); with one u
 ratio is 1 and only the advantage (and TIS weight) matter.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -140,6 +141,10 @@ def train_on_rollouts(
                 parity_parts.append((logprobs, packed.engine_logprobs, packed.completion))
                 for rollout, old in zip(micro, _split(logprobs, packed)):
                     old_by_rollout[id(rollout)] = old
+    # With TIS, also log what the loss would be without the correction, to show its effect.
+    no_tis = None
+    if config.loss.tis_cap is not None:
+        no_tis = dataclasses.replace(config.loss, tis_cap=None)
     totals: dict[str, float] = {}
     for update, minibatch in enumerate(minibatches):
         ddp.zero_grad_buffer()
@@ -165,9 +170,7 @@ def train_on_rollouts(
             loss, metrics = policy_loss(inputs, config.loss)
             loss.backward()
             metrics["loss"] = loss.detach()
-            if config.loss.tis_cap is not None:
-                # What the loss would be without the correction (logged to show its effect).
-                no_tis = LossConfig(**{**vars(config.loss), "tis_cap": None})
+            if no_tis is not None:
                 with torch.no_grad():
                     metrics["loss_without_tis"] = policy_loss(inputs, no_tis)[0]
             for name, value in metrics.items():
