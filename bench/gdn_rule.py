@@ -1,5 +1,7 @@
 """GDN rule speed on one GPU, as ratios within one run: the BI rule (fla recurrent forward,
-chunked backward; both chunked backends where fla allows its own) against fla's chunked kernel.
+chunked backward) against the chunked alternatives that run here: megatron-core's torch chunked
+rule under autograd (what its deterministic mode trains with), fla's chunked forward, and, where
+fla allows its chunked backward (not on Hopper with Triton 3.4-3.7.0), fla's chunked step.
 
   python bench/gdn_rule.py --output results/bench_gdn_rule_h200.json
 """
@@ -8,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from functools import partial
 
 import torch
 
@@ -16,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.timing import seconds  # noqa: E402
 
 from megatron_rl_bi import compat  # noqa: E402
-from megatron_rl_bi.models.gdn_rule import recurrent_gated_delta_rule  # noqa: E402
+from megatron_rl_bi.models.gdn_rule import chunked_gated_delta_rule, gated_delta_rule  # noqa: E402
 from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
 
 
@@ -33,27 +36,39 @@ def _inputs(tokens, sequences, heads, dim):
 
 
 def measure(tokens, sequences, heads, dim) -> dict:
+    """Milliseconds per call; a "step" is forward + backward of one packed batch."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     inputs, cu = _inputs(tokens, sequences, heads, dim)
+    initial = torch.zeros(sequences, heads, dim, dim, device="cuda")
+    scale = dim**-0.5
 
     def step(rule):
         out, _ = rule(*inputs[:3], g=inputs[3], beta=inputs[4], cu_seqlens=cu)
         out.float().sum().backward()
 
-    results = {}
+    def torch_chunked(q, k, v, g, beta, cu_seqlens):
+        return chunked_gated_delta_rule(q, k, v, g, beta, initial, scale, cu_seqlens, False, "torch")
+
+    ms = {}
     with torch.no_grad():
-        results["recurrent_forward_ms"] = 1000 * seconds(
-            lambda: recurrent_gated_delta_rule(*inputs[:3], inputs[3], inputs[4], cu_seqlens=cu), 10)
-    results["bi_torch_backward_step_ms"] = 1000 * seconds(
-        lambda: step(lambda *a, **k: recurrent_gated_delta_rule(*a, chunk_backend="torch", **k)), 3)
+        ms["recurrent_forward_ms"] = 1000 * seconds(
+            lambda: gated_delta_rule(*inputs, cu_seqlens=cu), 10)
+        ms["fla_chunk_forward_ms"] = 1000 * seconds(
+            lambda: chunk_gated_delta_rule(*inputs[:3], g=inputs[3], beta=inputs[4], cu_seqlens=cu), 10)
+    ms["bi_step_torch_backward_ms"] = 1000 * seconds(
+        lambda: step(partial(gated_delta_rule, chunk_backend="torch")), 3)
+    ms["torch_chunked_step_ms"] = 1000 * seconds(lambda: step(torch_chunked), 3)
+    ms["ratio_bi_step_vs_torch_chunked_step"] = (
+        ms["bi_step_torch_backward_ms"] / ms["torch_chunked_step_ms"])
+    ms["ratio_recurrent_vs_chunk_forward"] = (
+        ms["recurrent_forward_ms"] / ms["fla_chunk_forward_ms"])
     if compat.fla_chunk_backward_works():
-        results["bi_fla_backward_step_ms"] = 1000 * seconds(
-            lambda: step(lambda *a, **k: recurrent_gated_delta_rule(*a, chunk_backend="fla", **k)), 10)
-        results["fla_chunk_step_ms"] = 1000 * seconds(lambda: step(chunk_gated_delta_rule), 10)
-        results["ratio_bi_fla_vs_fla_chunk"] = (
-            results["bi_fla_backward_step_ms"] / results["fla_chunk_step_ms"])
-    return results
+        ms["bi_step_fla_backward_ms"] = 1000 * seconds(
+            lambda: step(partial(gated_delta_rule, chunk_backend="fla")), 10)
+        ms["fla_chunk_step_ms"] = 1000 * seconds(lambda: step(chunk_gated_delta_rule), 10)
+        ms["ratio_bi_step_vs_fla_chunk_step"] = ms["bi_step_fla_backward_ms"] / ms["fla_chunk_step_ms"]
+    return ms
 
 
 def main():

@@ -1,18 +1,24 @@
 """megatron-core's GatedDeltaNet, made to serve both the trainer and the dynamic engine.
 
-BI mode: one varlen function (`_varlen_core`) runs the layer for the trainer (packed sequences,
+One varlen function (`_varlen_core`) runs the layer for the trainer (packed or batched sequences,
 zero initial states) and for the engine (every active request a sequence, decode requests of
-length 1, initial states from the request's slot), with fla's `causal_conv1d` and fla's recurrent
-gated-delta-rule kernel (`gdn_rule`) in both. Default mode: the trainer runs megatron-core's own
-forward (chunked kernel); the engine runs `_varlen_core` with the chunked kernel when a prefill is
-in the step and the recurrent one for decode-only steps.
+length 1, initial states from the request's slot), with fla's `causal_conv1d` in both. The rule's
+forward kernel: BI mode, fla's recurrent kernel everywhere (`gdn_rule`); default mode, fla's
+chunked kernel in the trainer and in engine steps with a prefill, the recurrent one in decode-only
+steps.
 
-The engine keeps per-request conv and recurrent states in megatron-core's Mamba state slots
-(`inference.engine.gdn_inference_state_config` declares GDN layers to it). megatron-core 0.19.2's
-own GatedDeltaNet refuses any inference context.
+megatron-core's own forward is not used: its helpers are `torch.compile`d (shape-dependent
+recompiles every engine step, and code generated per shape where BI needs one fixed kernel per
+op), and it calls the kernels without initial states. Parameters, initialization and checkpoint
+layout stay megatron-core's. The engine keeps per-request conv and recurrent states in
+megatron-core's Mamba state slots (`inference.engine.gdn_inference_state_config` declares GDN
+layers to it); megatron-core 0.19.2's own GatedDeltaNet refuses any inference context.
 """
 
+from functools import partial
+
 import torch
+import torch.nn.functional as F
 from fla.modules.convolution import causal_conv1d
 from megatron.core.inference.contexts.attention_context.triton.tensor_ops import (
     tensor_masked_update,
@@ -21,7 +27,7 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from megatron.core.utils import deprecate_inference_params
 
 from megatron_rl_bi import bi, compat
-from megatron_rl_bi.models.gdn_rule import recurrent_gated_delta_rule
+from megatron_rl_bi.models.gdn_rule import gated_delta_rule
 
 
 class SwitchedGatedDeltaNet(GatedDeltaNet):
@@ -29,16 +35,8 @@ class SwitchedGatedDeltaNet(GatedDeltaNet):
         super()._setup_variant_attrs()
         if self.tp_size != 1 or self.cp_size != 1 or self.config.sequence_parallel:
             raise ValueError("SwitchedGatedDeltaNet supports TP = CP = 1 without sequence parallel")
-        self._stock_rule = self.gated_delta_rule
-        self._chunk_backend = "fla" if compat.fla_chunk_backward_works() else "torch"
-        self.gated_delta_rule = self._rule
-
-    def _rule(self, q, k, v, g, beta, recurrent: bool | None = None, **kwargs):
-        if bi.enabled() if recurrent is None else recurrent:
-            return recurrent_gated_delta_rule(
-                q, k, v, g, beta, chunk_backend=self._chunk_backend, **kwargs
-            )
-        return self._stock_rule(q, k, v, g=g, beta=beta, **kwargs)
+        backend = "fla" if compat.fla_chunk_backward_works() else "torch"
+        self.gated_delta_rule = partial(gated_delta_rule, chunk_backend=backend)
 
     def forward(
         self,
@@ -56,12 +54,7 @@ class SwitchedGatedDeltaNet(GatedDeltaNet):
             if not context.is_dynamic_batching():
                 raise NotImplementedError("GDN layers run in megatron-core's dynamic engine only")
             return self._engine_forward(hidden_states, context)
-        if bi.enabled():
-            return self._trainer_forward(hidden_states, packed_seq_params)
-        return super().forward(
-            hidden_states, attention_mask, packed_seq_params=packed_seq_params,
-            sequence_len_offset=sequence_len_offset, **kwargs,
-        )
+        return self._trainer_forward(hidden_states, packed_seq_params)
 
     def _zero_states(self, num_sequences: int, like: torch.Tensor):
         conv = like.new_zeros(num_sequences, self.conv_dim_local_tp, self.conv_kernel_dim)
@@ -79,13 +72,15 @@ class SwitchedGatedDeltaNet(GatedDeltaNet):
                                       device=hidden_states.device)
             tokens = hidden_states.transpose(0, 1).reshape(-1, hidden)
         conv_state, rule_state = self._zero_states(cu_seqlens.numel() - 1, hidden_states)
-        out, bias, _, _ = self._varlen_core(tokens, cu_seqlens, conv_state, rule_state, True)
+        out, bias, _, _ = self._varlen_core(tokens, cu_seqlens, conv_state, rule_state,
+                                            recurrent=bi.enabled())
         if packed_seq_params is None:
             return out.reshape(batch, seq_len, -1).transpose(0, 1), bias
         return out.unsqueeze(1), bias
 
     def _engine_forward(self, hidden_states, context):
-        """Active tokens are [decode requests' tokens..., prefill requests' tokens..., padding]."""
+        """Active tokens are [decode requests' tokens..., prefill requests' tokens..., padding]
+        (megatron-core pads decode requests only in decode-only steps without CUDA graphs)."""
         if context.num_speculative_tokens:
             raise NotImplementedError("GDN layers with speculative decoding")
         conv_state, rule_state = context.mamba_states_cache(self.layer_number)
@@ -104,9 +99,9 @@ class SwitchedGatedDeltaNet(GatedDeltaNet):
             if count
         ])
         real = sum(lengths)
-        recurrent = bi.enabled() or num_prefill == 0
         out, bias, conv_final, rule_final = self._varlen_core(
-            hidden_states[:real, 0], cu_seqlens, conv_state[slots], rule_state[slots], recurrent
+            hidden_states[:real, 0], cu_seqlens, conv_state[slots], rule_state[slots],
+            recurrent=bi.enabled() or num_prefill == 0,
         )
         tensor_masked_update(conv_state, slots, conv_final)
         tensor_masked_update(rule_state, slots, rule_final)
@@ -114,26 +109,43 @@ class SwitchedGatedDeltaNet(GatedDeltaNet):
         padded[:real, 0] = out
         return padded, bias
 
-    def _varlen_core(self, tokens, cu_seqlens, conv_initial, rule_initial, recurrent):
+    def _varlen_core(self, tokens, cu_seqlens, conv_initial, rule_initial, recurrent: bool):
         """tokens [T, h] of N sequences (cu_seqlens [N + 1]), initial states [N, D, W] and
         [N, HV, K, V] -> (output [T, h], out_proj bias, final conv and rule states)."""
         num_tokens = tokens.shape[0]
         projected, _ = self.in_proj(tokens.unsqueeze(1))  # [T, 1, P]
         qkv, gate, beta, alpha = torch.split(projected.transpose(0, 1), self.feat_dim_split, dim=-1)
-        gate = gate.reshape(1, num_tokens, -1, self.value_head_dim)
         qkv, conv_final = causal_conv1d(
             x=qkv, weight=self.conv1d.weight.squeeze(1),
             bias=self.conv1d.bias if self.conv_bias else None, activation=self.activation,
             initial_state=conv_initial, output_final_state=True, cu_seqlens=cu_seqlens,
         )
-        query, key, value, gate, beta, alpha = self._prepare_input_for_gated_delta_rule(
-            qkv, gate, 1, num_tokens, beta, alpha
+        query, key, value = self._heads(qkv, num_tokens)
+        g = -self.A_log.exp() * F.softplus(alpha.float() + self.dt_bias)  # fp32, [1, T, HV]
+        core, rule_final = self.gated_delta_rule(
+            query, key, value, g, beta.sigmoid(), initial_state=rule_initial,
+            output_final_state=True, use_qk_l2norm_in_kernel=self.use_qk_l2norm,
+            cu_seqlens=cu_seqlens, forward="recurrent" if recurrent else "chunk",
         )
-        g, beta = self._compute_g_and_beta(self.A_log, self.dt_bias, alpha, beta)
-        core, rule_final = self._rule(
-            query, key, value, g, beta, recurrent=recurrent, initial_state=rule_initial,
-            output_final_state=True, cu_seqlens=cu_seqlens,
-        )
-        norm_out = self._gated_norm_and_a2a(core, gate, None, 1, num_tokens, None)  # [T, 1, v]
-        out, bias = self.out_proj(norm_out)
+        out, bias = self.out_proj(self._gated_norm(core, gate).unsqueeze(1))
         return out[:, 0], bias, conv_final, rule_final
+
+    def _heads(self, qkv, num_tokens):
+        """[1, T, conv_dim] -> q, k, v [1, T, HV, K|V], q and k repeated to the value heads."""
+        query, key, value = torch.split(
+            qkv, [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp], dim=-1
+        )
+        query = query.reshape(1, num_tokens, -1, self.key_head_dim)
+        key = key.reshape(1, num_tokens, -1, self.key_head_dim)
+        value = value.reshape(1, num_tokens, -1, self.value_head_dim)
+        repeat = self.num_value_heads // self.num_key_heads
+        if repeat > 1:
+            query = query.repeat_interleave(repeat, dim=2)
+            key = key.repeat_interleave(repeat, dim=2)
+        return query.contiguous(), key.contiguous(), value.contiguous()
+
+    def _gated_norm(self, core, gate):
+        """Per value head: RMSNorm(core) * act(gate), as megatron-core's output gate: [T, v_dim]."""
+        rows = core.reshape(-1, self.value_head_dim)
+        gated = self.out_norm(rows) * self.act_fn(gate.reshape(-1, self.value_head_dim).float())
+        return gated.to(core.dtype).reshape(core.shape[1], -1)

@@ -1,25 +1,30 @@
-"""The gated delta rule as trainer and engine both run it in BI mode: fla's recurrent kernel
-forward, with a chunked backward.
+"""The gated delta rule with a forward kernel chosen by the caller and a chunked backward.
 
-`fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule` runs one program per (sequence, head,
-value block) with no autotuning, the same binary for a prefill of any length and for one-token
-decode, so a sequence's bits do not depend on the rest of the batch or on how its tokens are split
-into calls. It has no backward. `recurrent_gated_delta_rule` wraps it in an autograd Function whose
-backward recomputes the output with a *chunked* formulation of the same recurrence (the same
-function, evaluated in another order) and differentiates that; no parity claim is made on
+BI mode runs fla's recurrent kernel forward (`fused_recurrent_gated_delta_rule`) in trainer and
+engine: one program per (sequence, head, value block), no autotuning, the same binary for a
+prefill of any length and for one-token decode, so a sequence's bits do not depend on the rest of
+the batch or on how its tokens are split into calls. That kernel has no backward; the autograd
+Function here recomputes the output with a *chunked* formulation of the same recurrence (the same
+function, evaluated in another order) and differentiates that. No parity claim is made on
 gradients.
+
+Default mode runs fla's chunked kernel forward; its own backward is used where fla allows it.
 
 Kernel-call contract shared with the engine: `initial_state` is always passed (zeros for a fresh
 sequence). fla compiles a different variant without it, whose bits differ (measured on the H200).
 
-Chunked backends: 'torch' (megatron-core's `torch_chunk_gated_delta_rule`, per sequence, fp32,
-runs anywhere) and 'fla' (fla's `chunk_gated_delta_rule` and its Triton backward, varlen-native;
-fla 0.6.0 refuses it on Hopper with Triton >= 3.4 and < 3.7.1).
+Chunked backends: 'torch' (megatron-core's `torch_chunk_gated_delta_rule`, fp32, runs anywhere;
+packed sequences are zero-padded into one batch, which leaves outputs and final states unchanged:
+a zero key with zero beta and zero log-decay does not touch the state) and 'fla' (fla's
+`chunk_gated_delta_rule` and its Triton backward, varlen-native; fla 0.6.0 refuses it on Hopper
+with Triton >= 3.4 and < 3.7.1, see `compat.fla_chunk_backward_works`).
 """
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
+FORWARD_KERNELS = ("recurrent", "chunk")
 CHUNK_BACKENDS = ("torch", "fla")
 
 
@@ -28,34 +33,37 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def _torch_chunked(q, k, v, g, beta, initial_state, scale, cu_seqlens):
-    """megatron-core's torch chunked rule, sequence by sequence; q, k already normalized."""
+    """megatron-core's torch chunked rule (no varlen support there); q, k already normalized."""
     from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule
 
-    # that function scales q by K ** -0.5 itself
-    q = q * (scale * q.shape[-1] ** 0.5)
+    q = q * (scale * q.shape[-1] ** 0.5)  # that function scales q by K ** -0.5 itself
     if cu_seqlens is None:
         return torch_chunk_gated_delta_rule(
             q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True
         )
-    outputs, states = [], []
-    bounds = cu_seqlens.tolist()
-    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        rows = slice(start, end)
-        out, state = torch_chunk_gated_delta_rule(
-            q[:, rows], k[:, rows], v[:, rows], g=g[:, rows], beta=beta[:, rows],
-            initial_state=initial_state[i : i + 1], output_final_state=True,
-        )
-        outputs.append(out)
-        states.append(state)
-    return torch.cat(outputs, dim=1), torch.cat(states)
+    lengths = cu_seqlens.diff().tolist()
+    q, k, v, g, beta = (pad_sequence(t[0].split(lengths), batch_first=True) for t in (q, k, v, g, beta))
+    out, state = torch_chunk_gated_delta_rule(
+        q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True
+    )
+    return torch.cat([out[i, :n] for i, n in enumerate(lengths)]).unsqueeze(0), state
 
 
-def _fla_chunked(q, k, v, g, beta, initial_state, scale, cu_seqlens):
+def _fla_chunked(q, k, v, g, beta, initial_state, scale, cu_seqlens, use_l2=False):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     return chunk_gated_delta_rule(
         q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-        output_final_state=True, cu_seqlens=cu_seqlens,
+        output_final_state=True, use_qk_l2norm_in_kernel=use_l2, cu_seqlens=cu_seqlens,
+    )
+
+
+def _fla_recurrent(q, k, v, g, beta, initial_state, scale, cu_seqlens, use_l2):
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    return fused_recurrent_gated_delta_rule(
+        q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+        output_final_state=True, use_qk_l2norm_in_kernel=use_l2, cu_seqlens=cu_seqlens,
     )
 
 
@@ -67,15 +75,11 @@ def chunked_gated_delta_rule(q, k, v, g, beta, initial_state, scale, cu_seqlens,
     return chunked(q, k, v, g, beta, initial_state, scale, cu_seqlens)
 
 
-class _RecurrentForwardChunkedBackward(torch.autograd.Function):
+class _KernelForwardChunkedBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, use_l2, backend):
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-
-        out, final_state = fused_recurrent_gated_delta_rule(
-            q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-            output_final_state=True, use_qk_l2norm_in_kernel=use_l2, cu_seqlens=cu_seqlens,
-        )
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, use_l2, forward, backend):
+        kernel = {"recurrent": _fla_recurrent, "chunk": _fla_chunked}[forward]
+        out, final_state = kernel(q, k, v, g, beta, initial_state, scale, cu_seqlens, use_l2)
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         ctx.args = (scale, cu_seqlens, use_l2, backend)
         return out, final_state
@@ -90,10 +94,10 @@ class _RecurrentForwardChunkedBackward(torch.autograd.Function):
                 outputs.append(final_state)
                 grads.append(d_final_state)
             input_grads = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
-        return (*input_grads, None, None, None, None)
+        return (*input_grads, None, None, None, None, None)
 
 
-def recurrent_gated_delta_rule(
+def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -104,13 +108,17 @@ def recurrent_gated_delta_rule(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    *,
+    forward: str = "recurrent",
     chunk_backend: str = "torch",
     **unused,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """megatron-core's GatedDeltaRuleInterface. q, k [B, T, H, K]; v [B, T, H, V];
     g, beta [B, T, H]; initial_state [N, H, K, V] fp32 (zeros when None); varlen needs B = 1."""
+    if forward not in FORWARD_KERNELS:
+        raise ValueError(f"forward kernel {forward!r}: expected one of {FORWARD_KERNELS}")
     if chunk_backend not in CHUNK_BACKENDS:
-        raise ValueError(f"--gdn-backward {chunk_backend}: expected one of {CHUNK_BACKENDS}")
+        raise ValueError(f"chunk backend {chunk_backend!r}: expected one of {CHUNK_BACKENDS}")
     if q.shape[2] != v.shape[2]:
         raise ValueError("expand q/k heads to the value heads before the rule (as megatron-core does)")
     num_sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -118,7 +126,12 @@ def recurrent_gated_delta_rule(
         initial_state = q.new_zeros(num_sequences, v.shape[2], q.shape[-1], v.shape[-1],
                                     dtype=torch.float32)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out, final_state = _RecurrentForwardChunkedBackward.apply(
-        q, k, v, g, beta, initial_state, scale, cu_seqlens, use_qk_l2norm_in_kernel, chunk_backend
-    )
+    if forward == "chunk" and chunk_backend == "fla":
+        out, final_state = _fla_chunked(q, k, v, g, beta, initial_state, scale, cu_seqlens,
+                                        use_qk_l2norm_in_kernel)
+    else:
+        out, final_state = _KernelForwardChunkedBackward.apply(
+            q, k, v, g, beta, initial_state, scale, cu_seqlens, use_qk_l2norm_in_kernel, forward,
+            chunk_backend,
+        )
     return out, (final_state if output_final_state else None)

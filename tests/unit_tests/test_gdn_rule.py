@@ -7,7 +7,7 @@ import torch
 from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 
-from megatron_rl_bi.models.gdn_rule import recurrent_gated_delta_rule
+from megatron_rl_bi.models.gdn_rule import gated_delta_rule
 
 
 def _inputs(batch, length, heads=2, dk=16, dv=16, seed=0):
@@ -29,7 +29,7 @@ def _reference(q, k, v, g, beta, initial_state):
 def test_forward_and_gradients_match_the_reference(length):
     inputs = [t.requires_grad_(True) for t in _inputs(2, length)]
     state0 = (torch.randn(2, 2, 16, 16) * 0.1).requires_grad_(True)
-    out, state = recurrent_gated_delta_rule(*inputs, initial_state=state0, output_final_state=True)
+    out, state = gated_delta_rule(*inputs, initial_state=state0, output_final_state=True)
     ref_inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
     ref_state0 = state0.detach().clone().requires_grad_(True)
     ref_out, ref_state = _reference(*ref_inputs, ref_state0)
@@ -43,25 +43,32 @@ def test_forward_and_gradients_match_the_reference(length):
 
 
 def test_varlen_gradients_match_per_sequence_reference():
-    lengths = [3, 9, 1]
+    """Packed sequences (zero-padded into one batch by the torch backward) with their own initial
+    states: outputs, final states and every gradient match each sequence alone."""
+    lengths = [3, 70, 1]
+    cu = torch.tensor([0, 3, 73, 74])
     q, k, v, g, beta = (t.requires_grad_(True) for t in _inputs(1, sum(lengths)))
-    cu = torch.tensor([0, 3, 12, 13])
-    out, _ = recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)
-    d_out = torch.randn_like(out)
-    out.backward(d_out)
+    state0 = (torch.randn(3, 2, 16, 16) * 0.1).requires_grad_(True)
+    out, state = gated_delta_rule(q, k, v, g, beta, initial_state=state0, output_final_state=True,
+                                  cu_seqlens=cu)
+    d_out, d_state = torch.randn_like(out), torch.randn_like(state)
+    torch.autograd.backward([out, state], [d_out, d_state])
     for i, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         rows = slice(start, end)
         parts = [t.detach()[:, rows].clone().requires_grad_(True) for t in (q, k, v, g, beta)]
-        ref_out, _ = _reference(*parts, torch.zeros(1, 2, 16, 16))
-        ref_out.backward(d_out[:, rows])
+        ref_state0 = state0.detach()[i : i + 1].clone().requires_grad_(True)
+        ref_out, ref_state = _reference(*parts, ref_state0)
+        torch.autograd.backward([ref_out, ref_state], [d_out[:, rows], d_state[i : i + 1]])
         assert torch.allclose(out[:, rows], ref_out, atol=2e-4), f"sequence {i} output"
+        assert torch.allclose(state[i : i + 1], ref_state, atol=2e-4), f"sequence {i} state"
+        assert torch.allclose(state0.grad[i : i + 1], ref_state0.grad, atol=2e-4, rtol=1e-3)
         for mine, ref in zip((q, k, v, g, beta), parts):
             assert torch.allclose(mine.grad[:, rows], ref.grad, atol=2e-4, rtol=1e-3), f"sequence {i}"
 
 
 def test_qk_l2norm_in_kernel_backward():
     q, k, v, g, beta = (t.requires_grad_(True) for t in _inputs(1, 7))
-    out, _ = recurrent_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    out, _ = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
     out.sum().backward()
     parts = [t.detach().clone().requires_grad_(True) for t in (q, k, v, g, beta)]
     qn = torch.nn.functional.normalize(parts[0], dim=-1, eps=1e-6)
@@ -94,8 +101,8 @@ def test_prefill_then_decode_equals_one_pass():
 
 def test_varlen_equals_batched_and_forward_equals_the_kernel():
     q, k, v, g, beta = _inputs(3, 6)
-    batched, _ = recurrent_gated_delta_rule(q, k, v, g, beta)
-    packed, _ = recurrent_gated_delta_rule(
+    batched, _ = gated_delta_rule(q, k, v, g, beta)
+    packed, _ = gated_delta_rule(
         *(t.reshape(1, 18, *t.shape[2:]) for t in (q, k, v, g, beta)),
         cu_seqlens=torch.tensor([0, 6, 12, 18]),
     )
@@ -106,7 +113,9 @@ def test_varlen_equals_batched_and_forward_equals_the_kernel():
 
 def test_bad_arguments():
     q, k, v, g, beta = _inputs(1, 4)
-    with pytest.raises(ValueError, match="--gdn-backward cuda"):
-        recurrent_gated_delta_rule(q, k, v, g, beta, chunk_backend="cuda")
+    with pytest.raises(ValueError, match="chunk backend .cuda."):
+        gated_delta_rule(q, k, v, g, beta, chunk_backend="cuda")
+    with pytest.raises(ValueError, match="forward kernel 'parallel'"):
+        gated_delta_rule(q, k, v, g, beta, forward="parallel")
     with pytest.raises(ValueError, match="expand q/k heads"):
-        recurrent_gated_delta_rule(q, k, torch.randn(1, 4, 4, 16), g, beta)
+        gated_delta_rule(q, k, torch.randn(1, 4, 4, 16), g, beta)
