@@ -11,8 +11,10 @@ _PACKAGES = ("torch", "triton", "megatron-core", "fla-core", "flash-attn-4", "tr
 
 
 def git_commit() -> str:
-    """HEAD of the checkout (with '-dirty' if it has local changes), else $GIT_COMMIT (for copies
-    of the tree without .git, such as a remote machine's), else 'unknown'."""
+    """$GIT_COMMIT when set (a copy of the tree on a remote machine may carry a stale .git),
+    else HEAD of the checkout (with '-dirty' if it has local changes), else 'unknown'."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         head = subprocess.run(
@@ -24,7 +26,7 @@ def git_commit() -> str:
         ).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("GIT_COMMIT", "unknown")
+        return "unknown"
 
 
 def _package_version(name: str) -> str | None:

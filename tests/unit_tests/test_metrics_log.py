@@ -19,3 +19,12 @@ def test_read_step_records_keeps_the_latest_record_of_a_step(tmp_path):
     path = tmp_path / "m.jsonl"
     path.write_text('{"run": {}}\n{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n{"run": {}}\n{"step": 2, "x": 3}\n')
     assert read_step_records(str(path)) == {1: {"step": 1, "x": 1}, 2: {"step": 2, "x": 3}}
+
+
+def test_git_commit_prefers_the_environment(monkeypatch):
+    from megatron_rl_bi.reporting.provenance import git_commit
+
+    monkeypatch.setenv("GIT_COMMIT", "f00d")
+    assert git_commit() == "f00d"
+    monkeypatch.delenv("GIT_COMMIT")
+    assert git_commit() not in ("f00d", "unknown")  # this checkout's HEAD
