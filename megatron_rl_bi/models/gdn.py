@@ -86,11 +86,11 @@ class SwitchedGatedDeltaNet(GatedDeltaNet):
         conv_state, rule_state = context.mamba_states_cache(self.layer_number)
         metadata, dims = context.mamba_metadata, context.batch_dimensions
         num_decode, num_prefill = dims.decode_req_count, dims.prefill_req_count
-        prefill_bounds = metadata.cu_seqlens_list[: num_prefill + 1] if num_prefill else [0]
-        lengths = [1] * num_decode + [b - a for a, b in zip(prefill_bounds[:-1], prefill_bounds[1:])]
-        device = hidden_states.device
-        cu_seqlens = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(),
-                                  dtype=torch.int32, device=device)
+        # decode requests are 1-token sequences; cu_seqlens_list is the prefills' own, from 0
+        bounds = list(range(num_decode + 1)) + [
+            num_decode + end for end in metadata.cu_seqlens_list[1 : num_prefill + 1]
+        ]
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=hidden_states.device)
         # (either index tensor is None in a step without requests of its kind)
         slots = torch.cat([
             indices[:count].long()
@@ -98,7 +98,7 @@ class SwitchedGatedDeltaNet(GatedDeltaNet):
                                    (metadata.batch_indices_prefill, num_prefill))
             if count
         ])
-        real = sum(lengths)
+        real = bounds[-1]
         out, bias, conv_final, rule_final = self._varlen_core(
             hidden_states[:real, 0], cu_seqlens, conv_state[slots], rule_state[slots],
             recurrent=bi.enabled() or num_prefill == 0,

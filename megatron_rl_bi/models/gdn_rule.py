@@ -49,19 +49,12 @@ def _torch_chunked(q, k, v, g, beta, initial_state, scale, cu_seqlens):
     return torch.cat([out[i, :n] for i, n in enumerate(lengths)]).unsqueeze(0), state
 
 
-def _fla_chunked(q, k, v, g, beta, initial_state, scale, cu_seqlens, use_l2=False):
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+def _fla(kernel, q, k, v, g, beta, initial_state, scale, cu_seqlens, use_l2=False):
+    """fla's 'recurrent' (fused_recurrent) or 'chunk' rule, called the one way both sides call it."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
-    return chunk_gated_delta_rule(
-        q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-        output_final_state=True, use_qk_l2norm_in_kernel=use_l2, cu_seqlens=cu_seqlens,
-    )
-
-
-def _fla_recurrent(q, k, v, g, beta, initial_state, scale, cu_seqlens, use_l2):
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-
-    return fused_recurrent_gated_delta_rule(
+    rule = {"recurrent": fused_recurrent_gated_delta_rule, "chunk": chunk_gated_delta_rule}[kernel]
+    return rule(
         q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
         output_final_state=True, use_qk_l2norm_in_kernel=use_l2, cu_seqlens=cu_seqlens,
     )
@@ -71,15 +64,15 @@ def chunked_gated_delta_rule(q, k, v, g, beta, initial_state, scale, cu_seqlens,
     """Differentiable chunked evaluation of the rule: (output, final state)."""
     if use_l2:
         q, k = _l2norm(q), _l2norm(k)
-    chunked = {"torch": _torch_chunked, "fla": _fla_chunked}[backend]
-    return chunked(q, k, v, g, beta, initial_state, scale, cu_seqlens)
+    if backend == "fla":
+        return _fla("chunk", q, k, v, g, beta, initial_state, scale, cu_seqlens)
+    return _torch_chunked(q, k, v, g, beta, initial_state, scale, cu_seqlens)
 
 
 class _KernelForwardChunkedBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, use_l2, forward, backend):
-        kernel = {"recurrent": _fla_recurrent, "chunk": _fla_chunked}[forward]
-        out, final_state = kernel(q, k, v, g, beta, initial_state, scale, cu_seqlens, use_l2)
+        out, final_state = _fla(forward, q, k, v, g, beta, initial_state, scale, cu_seqlens, use_l2)
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         ctx.args = (scale, cu_seqlens, use_l2, backend)
         return out, final_state
@@ -127,8 +120,8 @@ def gated_delta_rule(
                                     dtype=torch.float32)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if forward == "chunk" and chunk_backend == "fla":
-        out, final_state = _fla_chunked(q, k, v, g, beta, initial_state, scale, cu_seqlens,
-                                        use_qk_l2norm_in_kernel)
+        out, final_state = _fla("chunk", q, k, v, g, beta, initial_state, scale, cu_seqlens,
+                                use_qk_l2norm_in_kernel)
     else:
         out, final_state = _KernelForwardChunkedBackward.apply(
             q, k, v, g, beta, initial_state, scale, cu_seqlens, use_qk_l2norm_in_kernel, forward,

@@ -31,11 +31,16 @@ def distributed():
     yield
 
 
-def build_dense(batch_invariant: bool, extra: list[str] = ()):
+def build(model_args: list[str], batch_invariant: bool, extra: list[str] = (), seed: int = 1234):
+    """The model of `model_args` (+ `extra`) on the GPU, BI switch set first, weights from `seed`."""
     from megatron_rl_bi.config import parse_args
     from megatron_rl_bi.models.build import build_model, set_batch_invariance
 
-    args = parse_args(TINY_DENSE_ARGS + (["--batch-invariant-mode"] if batch_invariant else []) + list(extra))
+    args = parse_args(model_args + (["--batch-invariant-mode"] if batch_invariant else []) + list(extra))
     set_batch_invariance(args)
-    torch.manual_seed(1234)
+    torch.manual_seed(seed)
     return build_model(args, VOCAB_SIZE)
+
+
+def build_dense(batch_invariant: bool, extra: list[str] = ()):
+    return build(TINY_DENSE_ARGS, batch_invariant, extra)

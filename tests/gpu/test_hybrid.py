@@ -11,7 +11,7 @@ from megatron_rl_bi.inference import EngineConfig, Generator, Sampling
 from megatron_rl_bi.rl.packing import pack_sequences
 from megatron_rl_bi.rl.parity_check import random_requests, run_parity
 
-from .conftest import TINY_HYBRID_ARGS, VOCAB_SIZE
+from .conftest import TINY_HYBRID_ARGS, VOCAB_SIZE, build
 
 pytestmark = pytest.mark.gpu
 
@@ -20,13 +20,7 @@ ENGINE = EngineConfig(max_requests=64, max_tokens=8192, max_sequence_length=1024
 
 
 def _build(batch_invariant: bool):
-    from megatron_rl_bi.config import parse_args
-    from megatron_rl_bi.models.build import build_model, set_batch_invariance
-
-    args = parse_args(TINY_HYBRID_ARGS + (["--batch-invariant-mode"] if batch_invariant else []))
-    set_batch_invariance(args)
-    torch.manual_seed(0)
-    return build_model(args, VOCAB_SIZE)
+    return build(TINY_HYBRID_ARGS, batch_invariant, seed=0)
 
 
 @pytest.fixture(scope="module")
