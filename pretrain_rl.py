@@ -12,21 +12,25 @@ import argparse
 
 import torch
 
-from megatron_rl_bi.config import engine_config_from_args
+from megatron_rl_bi import bi
+from megatron_rl_bi.checkpoints.megatron import load_pretrained_weights
+from megatron_rl_bi.config import parse_rl_args
+from megatron_rl_bi.config.from_args import (
+    engine_config_from_args,
+    loop_config_from_args,
+    rollout_config_from_args,
+    sampling_from_args,
+    step_config_from_args,
+)
+from megatron_rl_bi.distributed import initialize_distributed
 from megatron_rl_bi.envs import build_task
 from megatron_rl_bi.envs.tokenizer import build_tokenizer
 from megatron_rl_bi.inference import Generator
-from megatron_rl_bi.models.build import (
-    build_ddp_and_optimizer,
-    build_model,
-    initialize_distributed,
-    set_batch_invariance,
-)
+from megatron_rl_bi.models.build import build_model
+from megatron_rl_bi.optimizer import build_ddp_and_optimizer
 from megatron_rl_bi.reporting.metrics import MetricsLogger
 from megatron_rl_bi.reporting.provenance import provenance
-from megatron_rl_bi.rl.checkpoint import load_pretrained_weights
-from megatron_rl_bi.rl.loop import LoopConfig, run_rl
-from megatron_rl_bi.rl_config import parse_rl_args, rl_configs
+from megatron_rl_bi.rl.loop import run_rl
 
 
 def build_reference_model(args: argparse.Namespace, vocab_size: int, policy) -> torch.nn.Module:
@@ -38,48 +42,42 @@ def build_reference_model(args: argparse.Namespace, vocab_size: int, policy) -> 
     return reference
 
 
+def build_logger(args: argparse.Namespace) -> MetricsLogger | None:
+    """Rank 0 logs; other ranks get None."""
+    if torch.distributed.get_rank() != 0:
+        return None
+    return MetricsLogger(
+        total_steps=args.train_iters,
+        jsonl_path=args.rl_metrics_jsonl,
+        tensorboard_dir=args.tensorboard_dir,
+        wandb_project=args.wandb_project or None,
+        run_config={k: str(v) for k, v in vars(args).items()},
+        run_info=provenance(),
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_rl_args(argv)
     tokenizer = build_tokenizer(args.rl_tokenizer)
     task = build_task(args.rl_task, args.seed, args.rl_dataset)
-    rollout_config, step_config, sampling = rl_configs(args, tokenizer.eod)
     engine_config = engine_config_from_args(args)
 
     initialize_distributed(args.seed)
-    set_batch_invariance(args)
-    model = build_model(args, tokenizer.vocab_size)
-    if args.pretrained_checkpoint:
-        load_pretrained_weights(args.pretrained_checkpoint, model)
-    ddp, optimizer = build_ddp_and_optimizer(args, model)
-    generator = Generator(model, engine_config)
-    is_logger = torch.distributed.get_rank() == 0
-    logger = None
-    if is_logger:
-        logger = MetricsLogger(
-            total_steps=args.train_iters,
-            jsonl_path=args.rl_metrics_jsonl,
-            tensorboard_dir=args.tensorboard_dir,
-            wandb_project=args.wandb_project or None,
-            run_config={k: str(v) for k, v in vars(args).items()},
-            run_info=provenance(),
-        )
-    loop_config = LoopConfig(
-        steps=args.train_iters,
-        seed=args.seed,
-        save_dir=args.save,
-        save_interval=args.save_interval or 0,
-        load_dir=args.load,
-        load_optimizer=not args.no_load_optim,
-        sft_warmup_steps=args.rl_sft_warmup_steps,
-        sft_batch_size=args.rl_sft_batch_size,
-        sft_lr=args.rl_sft_lr,
-    )
-    reference = None
-    if args.grpo_kl_beta > 0:
-        reference = build_reference_model(args, tokenizer.vocab_size, model)
-    run_rl(ddp=ddp, optimizer=optimizer, generator=generator, task=task, tokenizer=tokenizer,
-           rollout_config=rollout_config, step_config=step_config, sampling=sampling,
-           config=loop_config, logger=logger, ref_model=reference)
+    with bi.batch_invariant(args.batch_invariant_mode):
+        model = build_model(args, tokenizer.vocab_size)
+        if args.pretrained_checkpoint:
+            load_pretrained_weights(args.pretrained_checkpoint, model)
+        ddp, optimizer = build_ddp_and_optimizer(args, model)
+        generator = Generator(model, engine_config)
+        logger = build_logger(args)
+        reference = None
+        if args.grpo_kl_beta > 0:
+            reference = build_reference_model(args, tokenizer.vocab_size, model)
+        run_rl(ddp=ddp, optimizer=optimizer, generator=generator, task=task, tokenizer=tokenizer,
+               rollout_config=rollout_config_from_args(args),
+               step_config=step_config_from_args(args),
+               sampling=sampling_from_args(args, tokenizer.eod), config=loop_config_from_args(args),
+               logger=logger, ref_model=reference)
     if logger:
         logger.close()
     torch.distributed.barrier()

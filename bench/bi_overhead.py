@@ -7,7 +7,6 @@ given (e.g. the dense parity model of examples/parity_dense.sh).
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -15,20 +14,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.timing import seconds  # noqa: E402
+from bench.report import seconds, write_report  # noqa: E402
 
-from megatron_rl_bi.config import engine_config_from_args, parse_args  # noqa: E402
+from megatron_rl_bi import bi  # noqa: E402
+from megatron_rl_bi.config import parse_args, validate_batch_invariance  # noqa: E402
+from megatron_rl_bi.config.from_args import engine_config_from_args  # noqa: E402
+from megatron_rl_bi.distributed import initialize_distributed  # noqa: E402
 from megatron_rl_bi.inference import Generator, Sampling  # noqa: E402
-from megatron_rl_bi.models.build import (  # noqa: E402
-    build_model,
-    cpu_state_dict,
-    initialize_distributed,
-    set_batch_invariance,
-)
+from megatron_rl_bi.models.build import build_model, cpu_state_dict  # noqa: E402
 from megatron_rl_bi.models.logprobs import forward_logprobs  # noqa: E402
-from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
-from megatron_rl_bi.rl.packing import pack_sequences  # noqa: E402
-from megatron_rl_bi.rl.parity_check import random_requests  # noqa: E402
+from megatron_rl_bi.packing import pack_sequences  # noqa: E402
+from megatron_rl_bi.parity.harness import random_requests  # noqa: E402
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -42,29 +38,31 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def measure(args, mode: str, weights) -> dict:
-    args.batch_invariant_mode = mode == "bi"
-    set_batch_invariance(args)
-    model = build_model(args, args.bench_vocab_size)
-    if weights is not None:
-        model.load_state_dict(weights)
-    prompts, _ = random_requests(args.bench_requests, (64, 512), (1, 1), args.bench_vocab_size, 0)
-    lengths = [512] * (args.bench_train_tokens // 512)
-    batch = pack_sequences([prompts[i % len(prompts)][:1] * n for i, n in enumerate(lengths)]).to("cuda")
+def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
+    """Seconds of a trainer forward+backward and of a generation in one kernel mode, and the
+    model's weights (so the other mode runs the same ones)."""
+    with bi.batch_invariant(batch_invariant):
+        model = build_model(args, args.bench_vocab_size)
+        if weights is not None:
+            model.load_state_dict(weights)
+        prompts, _ = random_requests(args.bench_requests, (64, 512), (1, 1), args.bench_vocab_size, 0)
+        lengths = [512] * (args.bench_train_tokens // 512)
+        batch = pack_sequences([prompts[i % len(prompts)][:1] * n
+                                for i, n in enumerate(lengths)]).to("cuda")
 
-    def train_step():
-        model.train()
-        logprobs, _ = forward_logprobs(model, batch)
-        logprobs.sum().backward()
-        model.zero_grad(set_to_none=True)
+        def train_step():
+            model.train()
+            logprobs, _ = forward_logprobs(model, batch)
+            logprobs.sum().backward()
+            model.zero_grad(set_to_none=True)
 
-    generator = Generator(model, engine_config_from_args(args))
-    sampling = Sampling(max_new_tokens=args.bench_new_tokens, seed=0)
-    result = {
-        "train_fwd_bwd_s": seconds(train_step, args.bench_repeats),
-        "generate_s": seconds(lambda: generator.generate(prompts, sampling), args.bench_repeats),
-    }
-    state = cpu_state_dict(model)
+        generator = Generator(model, engine_config_from_args(args))
+        sampling = Sampling(max_new_tokens=args.bench_new_tokens, seed=0)
+        result = {
+            "train_fwd_bwd_s": seconds(train_step, args.bench_repeats),
+            "generate_s": seconds(lambda: generator.generate(prompts, sampling), args.bench_repeats),
+        }
+        state = cpu_state_dict(model)
     del generator, model
     torch.cuda.empty_cache()
     return result, state
@@ -72,9 +70,10 @@ def measure(args, mode: str, weights) -> dict:
 
 def main() -> None:
     args = parse_args(extra_args_provider=add_bench_args)
+    validate_batch_invariance(args, batch_invariant=True)
     initialize_distributed(args.seed)
-    bi_result, weights = measure(args, "bi", None)
-    default_result, _ = measure(args, "default", weights)
+    bi_result, weights = measure(args, True, None)
+    default_result, _ = measure(args, False, weights)
     report = {
         **provenance(),
         "config": {k: str(v) for k, v in vars(args).items() if k.startswith(("bench_", "hidden",
@@ -83,10 +82,7 @@ def main() -> None:
         "default": default_result,
         "ratios_bi_over_default": {k: bi_result[k] / default_result[k] for k in bi_result},
     }
-    print(json.dumps(report["ratios_bi_over_default"], indent=2))
-    if args.bench_output:
-        with open(args.bench_output, "w") as f:
-            json.dump(report, f, indent=2)
+    write_report(report, report["ratios_bi_over_default"], args.bench_output)
 
 
 if __name__ == "__main__":

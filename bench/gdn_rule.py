@@ -7,7 +7,6 @@ fla allows its chunked backward (not on Hopper with Triton 3.4-3.7.0), fla's chu
 """
 
 import argparse
-import json
 import os
 import sys
 from functools import partial
@@ -16,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.timing import seconds  # noqa: E402
+from bench.report import seconds, write_report  # noqa: E402
 
 from megatron_rl_bi import compat  # noqa: E402
 from megatron_rl_bi.models.gdn_rule import chunked_gated_delta_rule, gated_delta_rule  # noqa: E402
@@ -71,21 +70,22 @@ def measure(tokens, sequences, heads, dim) -> dict:
     return ms
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--sequences", type=int, default=32)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--output", default=None)
-    args = parser.parse_args()
+    parser.add_argument("--tokens", type=int, default=16384, help="packed tokens per batch")
+    parser.add_argument("--sequences", type=int, default=32, help="sequences per batch")
+    parser.add_argument("--heads", type=int, default=16, help="value heads")
+    parser.add_argument("--head-dim", type=int, default=128, help="key and value head dim")
+    parser.add_argument("--output", default=None, help="JSON file to write")
+    return parser
+
+
+def main():
+    args = build_parser().parse_args()
     report = {**provenance(), "config": vars(args),
               "fla_chunk_backward_works": compat.fla_chunk_backward_works(),
               "results": measure(args.tokens, args.sequences, args.heads, args.head_dim)}
-    print(json.dumps(report["results"], indent=2))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=2)
+    write_report(report, report["results"], args.output)
 
 
 if __name__ == "__main__":

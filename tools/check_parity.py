@@ -19,20 +19,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_rl_bi.config import (  # noqa: E402
-    engine_config_from_args,
-    parse_args,
-    validate_batch_invariance,
-)
+from megatron_rl_bi import bi  # noqa: E402
+from megatron_rl_bi.config import parse_args, validate_batch_invariance  # noqa: E402
+from megatron_rl_bi.config.from_args import engine_config_from_args  # noqa: E402
+from megatron_rl_bi.distributed import initialize_distributed  # noqa: E402
 from megatron_rl_bi.inference import Generator, Sampling  # noqa: E402
-from megatron_rl_bi.models.build import (  # noqa: E402
-    build_model,
-    cpu_state_dict,
-    initialize_distributed,
-    set_batch_invariance,
-)
+from megatron_rl_bi.models.build import build_model, cpu_state_dict  # noqa: E402
+from megatron_rl_bi.parity.harness import random_requests, run_parity  # noqa: E402
 from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
-from megatron_rl_bi.rl.parity_check import random_requests, run_parity  # noqa: E402
 
 MODES = ("bi", "default")
 
@@ -70,7 +64,7 @@ def check_request_sizes(args: argparse.Namespace) -> None:
             f"request ({longest} tokens)"
         )
     if "bi" in args.parity_modes:
-        validate_batch_invariance(argparse.Namespace(**{**vars(args), "batch_invariant_mode": True}))
+        validate_batch_invariance(args, batch_invariant=True)
 
 
 def summarize(result: dict) -> dict:
@@ -99,16 +93,15 @@ def main() -> None:
     report = {**provenance(), "model": {}, "engine": vars(engine_config), "requests": {}}
     weights = None
     for mode in args.parity_modes:
-        args.batch_invariant_mode = mode == "bi"
-        set_batch_invariance(args)
-        model = build_model(args, args.parity_vocab_size)
-        if weights is None:
-            weights = cpu_state_dict(model)
-        else:
-            model.load_state_dict(weights)
-        generator = Generator(model, engine_config)
-        result = run_parity(model, generator, prompts, budgets, sampling,
-                            args.parity_micro_batch_tokens, args.parity_orders)
+        with bi.batch_invariant(mode == "bi"):
+            model = build_model(args, args.parity_vocab_size)
+            if weights is None:
+                weights = cpu_state_dict(model)
+            else:
+                model.load_state_dict(weights)
+            generator = Generator(model, engine_config)
+            result = run_parity(model, generator, prompts, budgets, sampling,
+                                args.parity_micro_batch_tokens, args.parity_orders)
         report[mode] = summarize(result)
         print(f"[parity] {mode}: " + json.dumps({k: report[mode][k] for k in
               ("abs_mean", "max", "ratio_tokens_different", "tokens")}), flush=True)

@@ -37,12 +37,16 @@ def plot(records: list[dict], output: str, title: str) -> None:
     fig.savefig(output, dpi=120)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("jsonl")
-    parser.add_argument("png")
-    parser.add_argument("--title", default=None)
-    args = parser.parse_args()
+    parser.add_argument("jsonl", help="metrics JSONL of pretrain_rl.py")
+    parser.add_argument("png", help="image to write")
+    parser.add_argument("--title", default=None, help="figure title (default: the JSONL path)")
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     records = [r for _, r in sorted(read_step_records(args.jsonl).items())]
     plot(records, args.png, args.title or args.jsonl)
 

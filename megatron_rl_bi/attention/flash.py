@@ -18,6 +18,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rl_bi import bi
+from megatron_rl_bi.packing import uniform_cu_seqlens
 
 _INSTALL_HINT = {
     4: "pip install 'megatron_rl_bi[fa4]' (flash-attn-4==4.0.0b36)",
@@ -78,7 +79,8 @@ class FlashCoreAttention(MegatronModule):
             raise ValueError(f"FlashCoreAttention supports self-attention only, got {attention_type}")
         if softmax_scale is not None:
             # The engine ignores config.softmax_scale for GPT attention; so must we, loudly.
-            raise ValueError("--softmax-scale is not supported: the engine uses head_dim ** -0.5")
+            raise ValueError("TransformerConfig.softmax_scale is not supported: the engine uses "
+                             "head_dim ** -0.5")
         if (attention_dropout or config.attention_dropout) > 0:
             raise ValueError("--attention-dropout must be 0 with FlashCoreAttention")
         self.varlen = flash_varlen_function(config.flash_attention_version)
@@ -104,9 +106,7 @@ class FlashCoreAttention(MegatronModule):
         else:
             # query [s, b, heads, d] -> [b * s, heads, d], every sequence of length s
             seq_len, batch = query.shape[:2]
-            cu_q = cu_kv = torch.arange(
-                0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=query.device
-            )
+            cu_q = cu_kv = uniform_cu_seqlens(batch, seq_len, query.device)
             max_q = max_kv = seq_len
             query, key, value = (t.transpose(0, 1).flatten(0, 1) for t in (query, key, value))
             out_shape = None

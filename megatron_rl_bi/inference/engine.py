@@ -67,25 +67,14 @@ class Generation:
     """One finished request. Logprobs are the engine's fp32 values (as Python floats)."""
 
     prompt_tokens: list[int]
-    generated_tokens: list[int]
-    prompt_logprobs: list[float] | None  # [P - 1] for tokens 2..P, None if not requested
-    generated_logprobs: list[float]  # [G]
+    completion_tokens: list[int]
+    completion_logprobs: list[float]  # [C]: the engine's logprob of each completion token
+    prompt_logprobs: list[float] | None = None  # [P - 1] for tokens 2..P, None if not requested
     stopped_on_eod: bool = False
 
     @property
     def tokens(self) -> list[int]:
-        return self.prompt_tokens + self.generated_tokens
-
-    def reported_logprobs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per predicting position (token k + 1 at index k, length L - 1): the engine's logprobs
-        (fp64 holding fp32 values) and the mask of positions the engine actually reported."""
-        num_prompt = len(self.prompt_tokens) - 1
-        prompt = self.prompt_logprobs if self.prompt_logprobs is not None else [0.0] * num_prompt
-        values = torch.tensor(prompt + self.generated_logprobs, dtype=torch.float64)
-        mask = torch.ones(values.numel(), dtype=torch.bool)
-        if self.prompt_logprobs is None:
-            mask[:num_prompt] = False
-        return values, mask
+        return self.prompt_tokens + self.completion_tokens
 
 
 def gdn_inference_state_config(model: torch.nn.Module) -> MambaInferenceStateConfig | None:
@@ -165,7 +154,7 @@ class Generator:
         if too_long:
             raise ValueError(
                 f"prompts {too_long[:5]} are longer than the engine's max_tokens "
-                f"({self.config.max_tokens}); raise --inference-max-tokens"
+                f"({self.config.max_tokens}); raise --inference-dynamic-batching-max-tokens"
             )
         params = [
             SamplingParams(
@@ -203,12 +192,12 @@ class Generator:
     def _to_generation(self, request, sampling: Sampling) -> Generation:
         if request.status != Status.COMPLETED:
             raise RuntimeError(f"engine request {request.request_id} ended {request.status}")
-        generated = list(request.generated_tokens)
+        completion = list(request.generated_tokens)
         prompt_logprobs = list(request.prompt_log_probs) if self.config.prompt_logprobs else None
         return Generation(
             prompt_tokens=request.prompt_tokens.tolist(),
-            generated_tokens=generated,
+            completion_tokens=completion,
+            completion_logprobs=list(request.generated_log_probs),
             prompt_logprobs=prompt_logprobs,
-            generated_logprobs=list(request.generated_log_probs),
-            stopped_on_eod=sampling.eod_id is not None and generated[-1:] == [sampling.eod_id],
+            stopped_on_eod=sampling.eod_id is not None and completion[-1:] == [sampling.eod_id],
         )

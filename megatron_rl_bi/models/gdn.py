@@ -28,6 +28,7 @@ from megatron.core.utils import deprecate_inference_params
 
 from megatron_rl_bi import bi, compat
 from megatron_rl_bi.models.gdn_rule import gated_delta_rule
+from megatron_rl_bi.packing import uniform_cu_seqlens
 
 
 class SwitchedGatedDeltaNet(GatedDeltaNet):
@@ -68,8 +69,7 @@ class SwitchedGatedDeltaNet(GatedDeltaNet):
             cu_seqlens = packed_seq_params.cu_seqlens_q
             tokens = hidden_states[:, 0]
         else:
-            cu_seqlens = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32,
-                                      device=hidden_states.device)
+            cu_seqlens = uniform_cu_seqlens(batch, seq_len, hidden_states.device)
             tokens = hidden_states.transpose(0, 1).reshape(-1, hidden)
         conv_state, rule_state = self._zero_states(cu_seqlens.numel() - 1, hidden_states)
         out, bias, _, _ = self._varlen_core(tokens, cu_seqlens, conv_state, rule_state,

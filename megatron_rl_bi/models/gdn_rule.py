@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+from megatron_rl_bi.packing import sequence_lengths
+
 FORWARD_KERNELS = ("recurrent", "chunk")
 CHUNK_BACKENDS = ("torch", "fla")
 
@@ -41,7 +43,7 @@ def _torch_chunked(q, k, v, g, beta, initial_state, scale, cu_seqlens):
         return torch_chunk_gated_delta_rule(
             q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True
         )
-    lengths = cu_seqlens.diff().tolist()
+    lengths = sequence_lengths(cu_seqlens)
     q, k, v, g, beta = (pad_sequence(t[0].split(lengths), batch_first=True) for t in (q, k, v, g, beta))
     out, state = torch_chunk_gated_delta_rule(
         q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True

@@ -4,7 +4,7 @@ the shared model."""
 import torch
 
 from megatron_rl_bi import bi
-from megatron_rl_bi.rl.packing import PackedBatch
+from megatron_rl_bi.packing import PackedBatch
 
 ENTROPY_CHUNK_ROWS = 1024
 

@@ -7,22 +7,21 @@ ranks by Megatron's DDP. Every step's sampling seed is a function of (seed, step
 resumed from a checkpoint repeats the uninterrupted one.
 """
 
-import time
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import torch
 
+from megatron_rl_bi.checkpoints.megatron import load_checkpoint, save_checkpoint
+from megatron_rl_bi.distributed import MetricTerms, all_reduce_metrics
 from megatron_rl_bi.envs import PromptSource
 from megatron_rl_bi.inference import Generator, Sampling
 from megatron_rl_bi.reporting.metrics import MetricsLogger
-from megatron_rl_bi.rl.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl_bi.rl.rollouts import RolloutConfig, collect_rollouts
 from megatron_rl_bi.rl.sft import sft_step
 from megatron_rl_bi.rl.step import StepConfig, train_on_rollouts
 
-_SUMMED_STATS = ("rollouts/groups", "rollouts/groups_dropped", "rollouts/generated",
-                 "rollouts/verifier_failures")
 # SFT examples come from a far-away stretch of the task's index space, disjoint from RL prompts.
 _SFT_INDEX_OFFSET = 1 << 40
 
@@ -30,23 +29,23 @@ _SFT_INDEX_OFFSET = 1 << 40
 @dataclass(kw_only=True)
 class LoopConfig:
     steps: int
+    """RL steps (--train-iters)."""
     seed: int
+    """Seeds prompt order and every step's sampling (--seed)."""
     save_dir: str | None = None
+    """Checkpoint root (--save)."""
     save_interval: int = 0
+    """Save every N steps, and at the end (--save-interval)."""
     load_dir: str | None = None
+    """Resume from the latest checkpoint under this root (--load)."""
     load_optimizer: bool = True
+    """Restore the optimizer state on resume (off with --no-load-optim)."""
     sft_warmup_steps: int = 0
+    """Supervised steps before RL, skipped on resume (--rl-sft-warmup-steps)."""
     sft_batch_size: int = 64
+    """Examples per warm-up step (--rl-sft-batch-size)."""
     sft_lr: float | None = None
-
-
-def _reduce_stats(stats: dict) -> dict:
-    world = torch.distributed.get_world_size()
-    names = list(stats)
-    values = torch.tensor([stats[n] for n in names], dtype=torch.float64,
-                          device=torch.cuda.current_device())
-    torch.distributed.all_reduce(values)
-    return {n: v if n in _SUMMED_STATS else v / world for n, v in zip(names, values.tolist())}
+    """Learning rate of the warm-up; None keeps --lr (--rl-sft-lr)."""
 
 
 def _sft_warmup(ddp, optimizer, task, tokenizer, config: LoopConfig, logger) -> None:
@@ -63,6 +62,39 @@ def _sft_warmup(ddp, optimizer, task, tokenizer, config: LoopConfig, logger) -> 
             print(f"sft warm-up {step}/{config.sft_warmup_steps} | nll {loss:.4f}", flush=True)
     for group, lr in zip(optimizer.param_groups, saved_lrs):
         group["lr"] = lr
+
+
+def _resume_or_warm_up(ddp, optimizer, source, task, tokenizer, config, logger) -> tuple[int, int]:
+    """(step, weight version) to continue from: a checkpoint's under --load, else (0, 0) after
+    the SFT warm-up."""
+    state = load_checkpoint(config.load_dir, ddp, optimizer, config.load_optimizer) if config.load_dir else None
+    if state is None:
+        if config.sft_warmup_steps:
+            _sft_warmup(ddp, optimizer, task, tokenizer, config, logger)
+        return 0, 0
+    source.load_state_dict(state["source"])
+    if logger:
+        print(f"resumed from {config.load_dir} at step {state['step']}", flush=True)
+    return state["step"], state["weight_version"]
+
+
+def _rl_step(ddp, optimizer, generator, source, tokenizer, rollout_config, step_config,
+             sampling, weight_version, ref_model) -> dict:
+    """Generate, score, update; the step's global metrics with its timings."""
+    step_start = time.time()
+    groups, stats = collect_rollouts(generator, source, tokenizer, sampling, rollout_config,
+                                     weight_version)
+    generation_s = time.time() - step_start
+    rollouts = [r for group in groups for r in group]
+    metrics = train_on_rollouts(ddp, optimizer, rollouts, step_config, ref_model)
+    torch.cuda.synchronize()
+    step_s = time.time() - step_start
+    stats.sums["tokens"] = sum(len(r.tokens) for r in rollouts)
+    metrics.update(all_reduce_metrics(stats))
+    tokens = metrics.pop("tokens")
+    metrics.update({"time/step_s": step_s, "time/generation_s": generation_s,
+                    "throughput/tokens_per_s": tokens / step_s})
+    return metrics
 
 
 def run_rl(
@@ -82,39 +114,16 @@ def run_rl(
     """`logger` is None on ranks that do not log."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     source = PromptSource(task, config.seed, rank, world)
-    start_step, weight_version = 0, 0
-    state = load_checkpoint(config.load_dir, ddp, optimizer, config.load_optimizer) if config.load_dir else None
-    if state is not None:
-        start_step, weight_version = state["step"], state["weight_version"]
-        source.load_state_dict(state["source"])
-        if logger:
-            print(f"resumed from {config.load_dir} at step {start_step}", flush=True)
-    elif config.sft_warmup_steps:
-        _sft_warmup(ddp, optimizer, task, tokenizer, config, logger)
+    start_step, weight_version = _resume_or_warm_up(ddp, optimizer, source, task, tokenizer,
+                                                    config, logger)
     started = time.time()
     for step in range(start_step + 1, config.steps + 1):
-        step_start = time.time()
         step_sampling = dataclasses.replace(sampling, seed=sampling.seed + 1_000_003 * step + rank)
-        groups, stats = collect_rollouts(generator, source, tokenizer, step_sampling,
-                                         rollout_config, weight_version)
-        generation_s = time.time() - step_start
-        rollouts = [r for group in groups for r in group]
-        metrics = train_on_rollouts(ddp, optimizer, rollouts, step_config, ref_model)
+        metrics = _rl_step(ddp, optimizer, generator, source, tokenizer, rollout_config,
+                           step_config, step_sampling, weight_version, ref_model)
         weight_version += step_config.updates_per_step
-        torch.cuda.synchronize()
-        step_s = time.time() - step_start
-        tokens = torch.tensor([float(sum(len(r.tokens) for r in rollouts))],
-                              device=torch.cuda.current_device())
-        torch.distributed.all_reduce(tokens)
-        done = step - start_step
-        metrics.update(_reduce_stats(stats))
-        metrics.update({
-            "weight_version": weight_version,
-            "time/step_s": step_s,
-            "time/generation_s": generation_s,
-            "throughput/tokens_per_s": tokens.item() / step_s,
-            "time/eta_s": (time.time() - started) / done * (config.steps - step),
-        })
+        metrics["weight_version"] = weight_version
+        metrics["time/eta_s"] = (time.time() - started) / (step - start_step) * (config.steps - step)
         if logger:
             logger.log(step, metrics)
         last = step == config.steps

@@ -29,7 +29,8 @@ class LossConfig:
     entropy_weight: float = 0.0
     """Weight of the entropy bonus, subtracted from the loss (--grpo-entropy-term-weight)."""
     tis_cap: float | None = None
-    """Truncated importance-sampling cap; None disables the correction (--rl-tis-cap)."""
+    """Truncated importance-sampling cap; None disables the correction
+    (--rl-importance-sampling-truncation-coef, with --rl-inference-logprobs-is-correction)."""
 
 
 @dataclass

@@ -10,26 +10,39 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_rl_bi.distributed import MetricTerms
 from megatron_rl_bi.envs import PromptSource
-from megatron_rl_bi.inference import Generator, Sampling
+from megatron_rl_bi.inference import Generation, Generator, Sampling
 from megatron_rl_bi.rl.advantages import group_advantages
 from megatron_rl_bi.rl.rewards import groups_with_signal, overlong_penalty, safe_reward
 
 
 @dataclass
 class Rollout:
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    engine_logprobs: list[float]  # [len(completion_tokens)], fp32 values
+    """One completion the policy is trained on: the engine's generation and its scoring."""
+
+    generation: Generation
     reward: float
     group_id: int
     weight_version: int  # optimizer steps taken by the weights that generated it
-    truncated: bool  # stopped by the token budget, not by end-of-document
     advantage: float = 0.0
 
     @property
+    def prompt_tokens(self) -> list[int]:
+        return self.generation.prompt_tokens
+
+    @property
+    def completion_tokens(self) -> list[int]:
+        return self.generation.completion_tokens
+
+    @property
     def tokens(self) -> list[int]:
-        return self.prompt_tokens + self.completion_tokens
+        return self.generation.tokens
+
+    @property
+    def truncated(self) -> bool:
+        """Stopped by the token budget, not by end-of-document."""
+        return not self.generation.stopped_on_eod
 
 
 @dataclass(kw_only=True)
@@ -39,14 +52,17 @@ class RolloutConfig:
     group_size: int = 8
     """Completions per prompt (--grpo-group-size)."""
     dynamic_sampling: bool = False
-    """Drop groups whose rewards are all equal and refill (DAPO; --rl-dynamic-sampling)."""
+    """Drop groups whose rewards are all equal and refill (DAPO;
+    --grpo-filter-groups-with-same-reward)."""
     max_rounds: int = 4
     """Generation rounds per step when refilling (--rl-dynamic-sampling-max-rounds)."""
     overlong_buffer: int = 0
-    """DAPO overlong shaping over the last N tokens of the budget; 0 disables."""
+    """DAPO overlong shaping over the last N tokens of the budget; 0 disables
+    (--rl-overlong-buffer)."""
     overlong_penalty: float = 1.0
+    """Reward at (and past) the full budget under overlong shaping (--rl-overlong-penalty)."""
     normalize_std: bool = True
-    """Divide advantages by the group's reward std (--rl-advantage-std / --no-...)."""
+    """Divide advantages by the group's reward std (off with --rl-no-advantage-std)."""
 
 
 def _score_group(example, generations, tokenizer, sampling, config, group_id, weight_version):
@@ -54,22 +70,12 @@ def _score_group(example, generations, tokenizer, sampling, config, group_id, we
     rewards."""
     rollouts, task_rewards, failures = [], [], 0
     for generation in generations:
-        completion = generation.generated_tokens
+        completion = generation.completion_tokens
         text_tokens = completion[:-1] if generation.stopped_on_eod else completion
         reward, failed = safe_reward(example.verify, tokenizer.decode(text_tokens))
         failures += failed
         task_rewards.append(reward)
-        rollouts.append(
-            Rollout(
-                prompt_tokens=generation.prompt_tokens,
-                completion_tokens=completion,
-                engine_logprobs=generation.generated_logprobs,
-                reward=reward,
-                group_id=group_id,
-                weight_version=weight_version,
-                truncated=not generation.stopped_on_eod,
-            )
-        )
+        rollouts.append(Rollout(generation, reward, group_id, weight_version))
     if config.overlong_buffer:
         lengths = torch.tensor([len(r.completion_tokens) for r in rollouts])
         shaping = overlong_penalty(
@@ -87,8 +93,8 @@ def collect_rollouts(
     sampling: Sampling,
     config: RolloutConfig,
     weight_version: int,
-) -> tuple[list[list[Rollout]], dict[str, float]]:
-    """Groups of `group_size` rollouts with advantages set, and rollout statistics."""
+) -> tuple[list[list[Rollout]], MetricTerms]:
+    """Groups of `group_size` rollouts with advantages set, and this rank's rollout statistics."""
     groups, task_rewards, failures, dropped, rounds = [], [], 0, 0, 0
     while len(groups) < config.prompts_per_step and rounds < config.max_rounds:
         examples = source.take(config.prompts_per_step - len(groups))
@@ -113,22 +119,19 @@ def collect_rollouts(
         rounds += 1
         if not config.dynamic_sampling:
             break
-    all_rollouts = [r for group in groups for r in group]
-    stats = {
-        "rollouts/groups": len(groups),
-        "rollouts/groups_dropped": dropped,
-        "rollouts/rounds": rounds,
-        "rollouts/generated": len(task_rewards),
-        "rollouts/verifier_failures": failures,
-        "rollouts/truncated_fraction": _mean([r.truncated for r in all_rollouts]),
-        "rollouts/completion_length": _mean([len(r.completion_tokens) for r in all_rollouts]),
-        # Task reward (accuracy for 0/1 verifiers) over everything generated, dropped groups too.
-        "reward/task_mean": _mean(task_rewards),
-        # Shaped reward of the rollouts trained on.
-        "reward/trained_mean": _mean([r.reward for r in all_rollouts]),
-    }
+    trained = [r for group in groups for r in group]
+    stats = MetricTerms(
+        sums={"rollouts/groups": len(groups), "rollouts/groups_dropped": dropped,
+              "rollouts/generated": len(task_rewards), "rollouts/verifier_failures": failures},
+        means={
+            "rollouts/rounds": (rounds, 1),
+            "rollouts/truncated_fraction": (sum(r.truncated for r in trained), len(trained)),
+            "rollouts/completion_length": (sum(len(r.completion_tokens) for r in trained),
+                                           len(trained)),
+            # Task reward (accuracy for 0/1 verifiers) over everything generated, dropped too.
+            "reward/task_mean": (sum(task_rewards), len(task_rewards)),
+            # Shaped reward of the rollouts trained on.
+            "reward/trained_mean": (sum(r.reward for r in trained), len(trained)),
+        },
+    )
     return groups, stats
-
-
-def _mean(values) -> float:
-    return float(sum(values) / len(values)) if values else float("nan")

@@ -25,19 +25,21 @@ VOCAB_SIZE = 32000
 
 @pytest.fixture(scope="session")
 def distributed():
-    from megatron_rl_bi.models.build import initialize_distributed
+    from megatron_rl_bi.distributed import initialize_distributed
 
     initialize_distributed(seed=1234)
     yield
 
 
 def build(model_args: list[str], batch_invariant: bool, extra: list[str] = (), seed: int = 1234):
-    """The model of `model_args` (+ `extra`) on the GPU, BI switch set first, weights from `seed`."""
+    """The model of `model_args` (+ `extra`) on the GPU, weights from `seed`. The BI switch is
+    left set to `batch_invariant` (the model runs in that mode; fixtures turn it off after)."""
+    from megatron_rl_bi import bi
     from megatron_rl_bi.config import parse_args
-    from megatron_rl_bi.models.build import build_model, set_batch_invariance
+    from megatron_rl_bi.models.build import build_model
 
     args = parse_args(model_args + (["--batch-invariant-mode"] if batch_invariant else []) + list(extra))
-    set_batch_invariance(args)
+    bi.enable() if batch_invariant else bi.disable()
     torch.manual_seed(seed)
     return build_model(args, VOCAB_SIZE)
 

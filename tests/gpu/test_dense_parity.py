@@ -5,8 +5,8 @@ import torch
 
 from megatron_rl_bi import bi
 from megatron_rl_bi.inference import EngineConfig, Generator, Sampling
-from megatron_rl_bi.rl.packing import pack_sequences
-from megatron_rl_bi.rl.parity_check import random_requests, run_parity
+from megatron_rl_bi.packing import pack_sequences
+from megatron_rl_bi.parity.harness import random_requests, run_parity
 
 from .conftest import VOCAB_SIZE, build_dense
 
@@ -46,7 +46,7 @@ def test_engine_matches_trainer_bitwise_in_bi_mode(bi_model):
                         Sampling(temperature=1.0, seed=7), micro_batch_tokens=6000, orders=2)
     metrics = result["all_reported"]
     assert metrics["bit_wise/tokens"] >= 5000
-    assert result["generated_only"]["bit_wise/tokens"] >= 2 * 256
+    assert result["completion_only"]["bit_wise/tokens"] >= 2 * 256
     assert metrics["bit_wise/ratio_tokens_different"] == 0.0, metrics
     assert metrics["bit_wise/logprob_diff/max"] == 0.0, metrics
 

@@ -8,8 +8,8 @@ import torch
 
 from megatron_rl_bi import bi
 from megatron_rl_bi.inference import EngineConfig, Generator, Sampling
-from megatron_rl_bi.rl.packing import pack_sequences
-from megatron_rl_bi.rl.parity_check import random_requests, run_parity
+from megatron_rl_bi.packing import pack_sequences
+from megatron_rl_bi.parity.harness import random_requests, run_parity
 
 from .conftest import TINY_HYBRID_ARGS, VOCAB_SIZE, build
 
@@ -86,7 +86,7 @@ def test_backward_runs(hybrid):
 def _assert_bitwise(result):
     metrics = result["all_reported"]
     assert metrics["bit_wise/tokens"] >= 5000
-    assert result["generated_only"]["bit_wise/tokens"] >= 2 * 256
+    assert result["completion_only"]["bit_wise/tokens"] >= 2 * 256
     assert metrics["bit_wise/logprob_diff/max"] == 0.0, metrics
     assert metrics["bit_wise/ratio_tokens_different"] == 0.0, metrics
 

@@ -1,5 +1,22 @@
+import socket
+
 import pytest
 import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def gloo_group():
+    """A one-process CPU process group, for code that calls torch.distributed collectives."""
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                                         rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
 
 
 @pytest.fixture

@@ -3,23 +3,11 @@ previous checkpoint as `latest`, and the next save cleans the partial directory 
 model/optimizer state is replaced by a small stand-in; the writing protocol is the real one."""
 
 import os
-import socket
 
 import pytest
 import torch
 
-from megatron_rl_bi.rl import checkpoint
-
-
-@pytest.fixture
-def gloo_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                         rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
+from megatron_rl_bi.checkpoints import megatron as checkpoint
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from megatron_rl_bi.rl.packing import pack_sequences, pack_token_values, unpack_token_values
+from megatron_rl_bi.packing import pack_sequences, pack_token_values, unpack_token_values
 
 
 def test_pack_matches_the_docstring_example():
@@ -45,7 +45,7 @@ def test_bad_input_is_named():
 def test_micro_batches_respect_the_token_budget():
     from types import SimpleNamespace
 
-    from megatron_rl_bi.rl.packing import micro_batches
+    from megatron_rl_bi.packing import micro_batches
 
     items = [SimpleNamespace(tokens=[0] * n) for n in (3, 4, 2, 9, 1)]
     groups = micro_batches(items, max_tokens=7)
@@ -54,8 +54,38 @@ def test_micro_batches_respect_the_token_budget():
 
 
 def test_completion_mask_by_predicting_position():
-    from megatron_rl_bi.rl.packing import completion_mask
+    # prompt [5, 6], completion [7, 8]: positions 0..2 predict 6, 7, 8; then prompt [1],
+    # completion [2, 3]; then a one-token prompt with no completion.
+    batch = pack_sequences([[5, 6, 7, 8], [1, 2, 3], [4]], prompt_lengths=[2, 1, 1])
+    assert batch.completion.tolist() == [False, True, True, False, True, True, False, False]
+    # without prompt lengths every predicted token counts
+    assert pack_sequences([[5, 6, 7]]).completion.tolist() == [True, True, False]
 
-    # prompt [5, 6], completion [7, 8]: positions 0..2 predict 6, 7, 8
-    assert completion_mask(2, 4).tolist() == [False, True, True]
-    assert completion_mask(1, 3).tolist() == [True, True]
+
+def test_lengths_ids_and_uniform_bounds():
+    from megatron_rl_bi.packing import sequence_lengths, uniform_cu_seqlens
+
+    batch = pack_sequences([[5, 6, 7], [8, 9], [1]])
+    assert batch.sequence_lengths == [3, 2, 1]
+    assert batch.sequence_ids.tolist() == [0, 0, 0, 1, 1, 2]
+    assert sequence_lengths(torch.tensor([0, 4, 4, 9])) == [4, 0, 5]
+    bounds = uniform_cu_seqlens(3, 5, "cpu")
+    assert bounds.tolist() == [0, 5, 10, 15] and bounds.dtype == torch.int32
+
+
+def test_pack_completions_places_engine_logprobs_by_predicting_position():
+    from types import SimpleNamespace
+
+    from megatron_rl_bi.packing import pack_completions
+
+    without_prompt = SimpleNamespace(prompt_tokens=[5, 6], completion_tokens=[7, 8],
+                                     completion_logprobs=[-0.25, -0.5], prompt_logprobs=None)
+    with_prompt = SimpleNamespace(prompt_tokens=[9, 3], completion_tokens=[4],
+                                  completion_logprobs=[-0.75], prompt_logprobs=[-2.0])
+    packed = pack_completions([without_prompt, with_prompt])
+    # tokens [5 6 7 8 | 9 3 4]: position j predicts token j + 1 of its sequence
+    assert packed.batch.target_ids.tolist() == [6, 7, 8, 0, 3, 4, 0]
+    assert packed.engine_logprobs.dtype == torch.float32
+    assert packed.engine_logprobs.tolist() == [0.0, -0.25, -0.5, 0.0, -2.0, -0.75, 0.0]
+    assert packed.reported.tolist() == [False, True, True, False, True, True, False]
+    assert packed.batch.completion.tolist() == [False, True, True, False, False, True, False]

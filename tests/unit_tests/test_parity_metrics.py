@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from megatron_rl_bi.rl.parity import parity_metrics
+from megatron_rl_bi.parity import parity_metrics
 
 
 def test_identical_logprobs_read_zero():

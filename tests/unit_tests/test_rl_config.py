@@ -2,7 +2,12 @@
 
 import pytest
 
-from megatron_rl_bi.rl_config import parse_rl_args, rl_configs
+from megatron_rl_bi.config import parse_rl_args
+from megatron_rl_bi.config.from_args import (
+    rollout_config_from_args,
+    sampling_from_args,
+    step_config_from_args,
+)
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1"]
@@ -55,7 +60,9 @@ def test_rl_configs_map_flags():
     args = parse_rl_args(MODEL + ["--rl-inference-logprobs-is-correction",
                                   "--rl-importance-sampling-truncation-coef", "2.0",
                                   "--grpo-iterations", "2", "--rl-max-new-tokens", "9"])
-    rollout, step, sampling = rl_configs(args, eod_id=2)
+    rollout = rollout_config_from_args(args)
+    step = step_config_from_args(args)
+    sampling = sampling_from_args(args, eod_id=2)
     assert step.loss.tis_cap == 2.0 and step.updates_per_step == 2
     assert sampling.max_new_tokens == 9 and sampling.eod_id == 2
     assert rollout.group_size == 8 and rollout.prompts_per_step == 8
@@ -67,7 +74,7 @@ def test_kl_with_warm_up_is_refused():
 
 
 def test_pretrained_checkpoint_resolution(tmp_path):
-    from megatron_rl_bi.rl.checkpoint import resolve_checkpoint_dir
+    from megatron_rl_bi.checkpoints.megatron import resolve_checkpoint_dir
 
     (tmp_path / "iter_0000042").mkdir()
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("42\n")

@@ -8,7 +8,6 @@ from megatron_rl_bi.envs import Example, PromptSource
 from megatron_rl_bi.envs.tokenizer import CharTokenizer
 from megatron_rl_bi.inference import Generation, Sampling
 from megatron_rl_bi.rl.rollouts import Rollout, RolloutConfig, collect_rollouts
-from megatron_rl_bi.rl.step import pack_rollouts
 
 TOK = CharTokenizer()
 
@@ -41,8 +40,8 @@ class ScriptedGenerator:
             k = counters[index] = counters.get(index, -1) + 1
             text = self.completions[index][k]
             ids = TOK.encode(text.rstrip("$")) + ([TOK.eod] if text.endswith("$") else [])
-            out.append(Generation(prompt_tokens=list(prompt), generated_tokens=ids,
-                                  prompt_logprobs=None, generated_logprobs=[-0.5] * len(ids),
+            out.append(Generation(prompt_tokens=list(prompt), completion_tokens=ids,
+                                  completion_logprobs=[-0.5] * len(ids),
                                   stopped_on_eod=text.endswith("$")))
         return out
 
@@ -50,9 +49,15 @@ class ScriptedGenerator:
 SAMPLING = Sampling(max_new_tokens=4, eod_id=TOK.eod, seed=100)
 
 
+def _collect(*args, **kwargs):
+    """collect_rollouts with this rank's statistics as metrics (one rank: the global ones)."""
+    groups, terms = collect_rollouts(*args, **kwargs)
+    return groups, terms.finalize()
+
+
 def test_rewards_and_group_advantages():
     generator = ScriptedGenerator({0: ["ok$", "no$"], 1: ["ok$", "ok$"]})
-    groups, stats = collect_rollouts(generator, PromptSource(ScriptedTask(), 0), TOK, SAMPLING,
+    groups, stats = _collect(generator, PromptSource(ScriptedTask(), 0), TOK, SAMPLING,
                                      RolloutConfig(prompts_per_step=2, group_size=2), weight_version=7)
     assert [[r.reward for r in g] for g in groups] == [[1.0, 0.0], [1.0, 1.0]]
     a = 0.5 / (0.5 + 1e-6)  # centered reward / (population std + eps)
@@ -68,7 +73,7 @@ def test_dynamic_sampling_drops_flat_groups_and_refills():
                                    3: ["ok$", "no$"], 4: ["no$", "ok$"]})
     config = RolloutConfig(prompts_per_step=2, group_size=2, dynamic_sampling=True, max_rounds=4)
     source = PromptSource(ScriptedTask(), 0)
-    groups, stats = collect_rollouts(generator, source, TOK, SAMPLING, config, weight_version=0)
+    groups, stats = _collect(generator, source, TOK, SAMPLING, config, weight_version=0)
     assert [len(g) for g in groups] == [2, 2]
     assert [g[0].prompt_tokens for g in groups] == [TOK.encode("p3\n"), TOK.encode("p4\n")]
     # round 1: 2 prompts (0, 1) both dropped; round 2: prompts 2, 3 -> 2 dropped; round 3: prompt 4
@@ -82,7 +87,7 @@ def test_dynamic_sampling_drops_flat_groups_and_refills():
 def test_dynamic_sampling_gives_up_after_max_rounds():
     generator = ScriptedGenerator({i: ["ok$", "ok$"] for i in range(10)})
     config = RolloutConfig(prompts_per_step=2, group_size=2, dynamic_sampling=True, max_rounds=2)
-    groups, stats = collect_rollouts(generator, PromptSource(ScriptedTask(), 0), TOK, SAMPLING,
+    groups, stats = _collect(generator, PromptSource(ScriptedTask(), 0), TOK, SAMPLING,
                                      config, weight_version=0)
     assert groups == [] and stats["rollouts/rounds"] == 2 and stats["rollouts/groups_dropped"] == 4
 
@@ -91,24 +96,27 @@ def test_overlong_shaping_penalizes_long_completions():
     # budget 4, buffer 2: 'ok' + eod (3 tokens) -> -0.5; 'okkk' truncated (4) -> -1; 'o$' (2) -> 0
     generator = ScriptedGenerator({0: ["ok$", "okkk", "o$"]})
     config = RolloutConfig(prompts_per_step=1, group_size=3, overlong_buffer=2)
-    groups, stats = collect_rollouts(generator, PromptSource(ScriptedTask(), 0), TOK, SAMPLING,
+    groups, stats = _collect(generator, PromptSource(ScriptedTask(), 0), TOK, SAMPLING,
                                      config, weight_version=0)
     assert [r.reward for r in groups[0]] == [0.5, -1.0, 0.0]
     assert [r.truncated for r in groups[0]] == [False, True, False]
     assert stats["reward/task_mean"] == pytest.approx(1 / 3)  # unshaped task reward
 
 
-def test_pack_rollouts_aligns_completion_values():
+def test_step_packing_aligns_advantages_and_engine_logprobs(monkeypatch):
+    from megatron_rl_bi.rl import step
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     rollouts = [
-        Rollout(prompt_tokens=[5, 6], completion_tokens=[7, 8], engine_logprobs=[-0.1, -0.2],
-                reward=1.0, group_id=0, weight_version=0, truncated=False, advantage=0.5),
-        Rollout(prompt_tokens=[9], completion_tokens=[4], engine_logprobs=[-0.3],
-                reward=0.0, group_id=0, weight_version=0, truncated=False, advantage=-0.5),
+        Rollout(Generation([5, 6], [7, 8], [-0.25, -0.5]), reward=1.0, group_id=0,
+                weight_version=0, advantage=0.5),
+        Rollout(Generation([9], [4], [-0.75]), reward=0.0, group_id=0, weight_version=0,
+                advantage=-0.5),
     ]
-    packed = pack_rollouts(rollouts, "cpu")
+    packed, advantages = step._pack(rollouts)
     # tokens [5 6 7 8 | 9 4]: position j predicts token j + 1 of its sequence
     assert packed.batch.target_ids.tolist() == [6, 7, 8, 0, 4, 0]
-    assert packed.completion.tolist() == [False, True, True, False, True, False]
-    assert packed.engine_logprobs.tolist() == pytest.approx([0.0, -0.1, -0.2, 0.0, -0.3, 0.0])
-    assert packed.advantages.tolist() == [0.5, 0.5, 0.5, 0.0, -0.5, 0.0]
-    assert packed.sequence_ids.tolist() == [0, 0, 0, 0, 1, 0]
+    assert packed.batch.completion.tolist() == [False, True, True, False, True, False]
+    assert packed.reported.tolist() == [False, True, True, False, True, False]
+    assert packed.engine_logprobs.tolist() == [0.0, -0.25, -0.5, 0.0, -0.75, 0.0]
+    assert advantages.tolist() == [0.5, 0.5, 0.5, 0.0, -0.5, 0.0]

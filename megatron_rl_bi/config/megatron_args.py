@@ -50,8 +50,9 @@ def _flash_attention_error(version: int) -> str | None:
     return None
 
 
-def validate_batch_invariance(args: argparse.Namespace, check_installed: bool = True) -> None:
-    """Raises one ValueError listing every flag that breaks trainer/engine parity."""
+def validate_batch_invariance(args: argparse.Namespace, batch_invariant: bool | None = None) -> None:
+    """Raises one ValueError listing every flag that breaks trainer/engine parity, in BI mode
+    when `batch_invariant` (default: --batch-invariant-mode) is true."""
     errors = []
     if args.tensor_model_parallel_size != 1:
         errors.append(
@@ -62,7 +63,7 @@ def validate_batch_invariance(args: argparse.Namespace, check_installed: bool = 
         errors.append(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: only PP=1")
     if args.apply_rope_fusion:
         errors.append("rope fusion must be off (--no-rope-fusion): the engine applies rope unfused")
-    if args.batch_invariant_mode:
+    if args.batch_invariant_mode if batch_invariant is None else batch_invariant:
         version = args.flash_attention_version
         if version is None:
             errors.append("--batch-invariant-mode needs --flash-attention-version 3 or 4")
@@ -71,7 +72,7 @@ def validate_batch_invariance(args: argparse.Namespace, check_installed: bool = 
                 "--flash-attention-version 2 cannot be used with --batch-invariant-mode: FA2 has "
                 "no fixed num_splits schedule; use 3 or 4"
             )
-        elif check_installed and (problem := _flash_attention_error(version)):
+        elif problem := _flash_attention_error(version):
             errors.append(problem)
         if args.context_parallel_size != 1:
             errors.append(
@@ -98,6 +99,23 @@ def validate_batch_invariance(args: argparse.Namespace, check_installed: bool = 
         raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))
 
 
+def _provider(extra_args_provider):
+    def provider(parser):
+        parser = add_defaults(parser)
+        return extra_args_provider(parser) if extra_args_provider else parser
+
+    return provider
+
+
+def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
+    """The parser `parse_args` parses with: Megatron's flags, this package's defaults, and the
+    caller's flags (for --help and for checking that a flag exists)."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    return _provider(extra_args_provider)(parser)
+
+
 def parse_args(argv: list[str] | None = None, extra_args_provider=None) -> argparse.Namespace:
     """Megatron's parser + our defaults (+ the caller's flags), then our checks, then Megatron's.
 
@@ -108,10 +126,7 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None) -> argpa
     from megatron.training.arguments import parse_args as megatron_parse_args
     from megatron.training.arguments import validate_args
 
-    def provider(parser):
-        parser = add_defaults(parser)
-        return extra_args_provider(parser) if extra_args_provider else parser
-
+    provider = _provider(extra_args_provider)
     saved_argv = sys.argv
     sys.argv = [saved_argv[0], *(saved_argv[1:] if argv is None else argv)]
     try:
@@ -121,19 +136,3 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None) -> argpa
     validate_batch_invariance(args)
     validate_args(args)
     return args
-
-
-def engine_config_from_args(args: argparse.Namespace, prompt_logprobs: bool = False):
-    """The engine's sizes from Megatron's own --inference-* flags."""
-    from megatron_rl_bi.inference import EngineConfig
-
-    defaults = EngineConfig()
-    max_tokens = args.inference_dynamic_batching_max_tokens or defaults.max_tokens
-    return EngineConfig(
-        max_requests=args.inference_dynamic_batching_max_requests or defaults.max_requests,
-        max_tokens=max_tokens,
-        max_sequence_length=args.inference_max_seq_length,
-        buffer_size_gb=args.inference_dynamic_batching_buffer_size_gb,
-        block_size_tokens=args.inference_dynamic_batching_block_size,
-        prompt_logprobs=prompt_logprobs,
-    )

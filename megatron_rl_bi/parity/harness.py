@@ -1,7 +1,7 @@
 """Engine-vs-trainer parity on one set of requests: generate, recompute, compare.
 
-Used by tools/check_parity.py and the GPU tests. The trainer side runs in training mode with
-autograd on, exactly as the RL step does, in packed micro-batches of at most
+Used by tools/check_parity.py, the benches and the GPU tests. The trainer side runs in training
+mode with autograd on, exactly as the RL step does, in packed micro-batches of at most
 `micro_batch_tokens` tokens (so different trainer batch shapes are exercised too).
 """
 
@@ -11,13 +11,8 @@ import torch
 
 from megatron_rl_bi.inference import Generation, Generator, Sampling
 from megatron_rl_bi.models.logprobs import forward_logprobs
-from megatron_rl_bi.rl.packing import (
-    completion_mask,
-    micro_batches,
-    pack_sequences,
-    pack_token_values,
-)
-from megatron_rl_bi.rl.parity import parity_metrics
+from megatron_rl_bi.packing import micro_batches, pack_completions
+from megatron_rl_bi.parity.metrics import parity_metrics
 
 
 def random_requests(
@@ -42,18 +37,16 @@ def random_requests(
 def trainer_vs_engine(
     model: torch.nn.Module, generations: list[Generation], micro_batch_tokens: int
 ) -> dict[str, torch.Tensor]:
-    """Packed per-position tensors: trainer and engine logprobs, the engine-reported mask and
-    the generated-token mask."""
-    parts = {"train": [], "engine": [], "reported": [], "generated": []}
+    """Packed per-position tensors (CPU): trainer and engine logprobs, the engine-reported mask
+    and the completion mask."""
+    parts = {"train": [], "engine": [], "reported": [], "completion": []}
     model.train()
     for group in micro_batches(generations, micro_batch_tokens):
-        batch = pack_sequences([g.tokens for g in group])
-        reported = [g.reported_logprobs() for g in group]
-        generated = [completion_mask(len(g.prompt_tokens), len(g.tokens)) for g in group]
-        parts["train"].append(forward_logprobs(model, batch.to("cuda"))[0].detach().cpu())
-        parts["engine"].append(pack_token_values([values for values, _ in reported], batch))
-        parts["reported"].append(pack_token_values([mask for _, mask in reported], batch))
-        parts["generated"].append(pack_token_values(generated, batch))
+        packed = pack_completions(group)
+        parts["train"].append(forward_logprobs(model, packed.batch.to("cuda"))[0].detach().cpu())
+        parts["engine"].append(packed.engine_logprobs)
+        parts["reported"].append(packed.reported)
+        parts["completion"].append(packed.batch.completion)
     return {name: torch.cat(tensors) for name, tensors in parts.items()}
 
 
@@ -61,7 +54,7 @@ def _metrics(compared: dict[str, torch.Tensor]) -> dict:
     train, engine, reported = compared["train"], compared["engine"], compared["reported"]
     return {
         "all_reported": parity_metrics(train, engine, reported),
-        "generated_only": parity_metrics(train, engine, reported & compared["generated"]),
+        "completion_only": parity_metrics(train, engine, reported & compared["completion"]),
     }
 
 
@@ -89,7 +82,7 @@ def run_parity(
         runs.append(
             {
                 "order_head": order[:8],
-                "generated_tokens": sum(len(g.generated_tokens) for g in generations),
+                "completion_tokens": sum(len(g.completion_tokens) for g in generations),
                 **_metrics(compared),
             }
         )

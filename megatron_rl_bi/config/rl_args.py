@@ -10,11 +10,7 @@ import sys
 
 import yaml
 
-from megatron_rl_bi.config import parse_args
-from megatron_rl_bi.inference import Sampling
-from megatron_rl_bi.rl.losses import LossConfig
-from megatron_rl_bi.rl.rollouts import RolloutConfig
-from megatron_rl_bi.rl.step import StepConfig
+from megatron_rl_bi.config.megatron_args import parse_args
 
 RL_DEFAULTS = dict(
     # Megatron's RL flags, with defaults for a synchronous on-policy loop.
@@ -158,38 +154,3 @@ def validate_rl_args(args: argparse.Namespace) -> None:
         errors.append("--rl-default-temperature must be > 0 (use --rl-default-top-k 1 for greedy)")
     if errors:
         raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))
-
-
-def rl_configs(args: argparse.Namespace, eod_id: int) -> tuple[RolloutConfig, StepConfig, Sampling]:
-    rollout = RolloutConfig(
-        prompts_per_step=args.grpo_prompts_per_step,
-        group_size=args.grpo_group_size,
-        dynamic_sampling=args.grpo_filter_groups_with_same_reward,
-        max_rounds=args.rl_dynamic_sampling_max_rounds,
-        overlong_buffer=args.rl_overlong_buffer,
-        overlong_penalty=args.rl_overlong_penalty,
-        normalize_std=not args.rl_no_advantage_std,
-    )
-    loss = LossConfig(
-        eps_low=args.grpo_clamp_eps_lower,
-        eps_high=args.grpo_clamp_eps_upper,
-        kl_beta=args.grpo_kl_beta,
-        entropy_weight=args.grpo_entropy_term_weight,
-        tis_cap=(args.rl_importance_sampling_truncation_coef
-                 if args.rl_inference_logprobs_is_correction else None),
-    )
-    step = StepConfig(
-        loss=loss,
-        aggregation=args.rl_loss_aggregation,
-        micro_batch_tokens=args.rl_micro_batch_tokens,
-        updates_per_step=args.grpo_iterations,
-    )
-    sampling = Sampling(
-        max_new_tokens=args.rl_max_new_tokens,
-        temperature=args.rl_default_temperature,
-        top_k=args.rl_default_top_k,
-        top_p=args.rl_default_top_p,
-        eod_id=eod_id,
-        seed=args.seed,
-    )
-    return rollout, step, sampling

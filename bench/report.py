@@ -1,0 +1,28 @@
+"""What every benchmark shares: the one timer, and the one way a report is shown and written."""
+
+import json
+import os
+import time
+
+import torch
+
+
+def seconds(fn, repeats: int) -> float:
+    """Mean wall time of `fn` on the GPU after a warm-up call."""
+    fn()  # warm-up: compilation, autotuning, allocator growth
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def write_report(report: dict, summary: dict, path: str | None) -> None:
+    """Prints `summary` (the part of `report` a reader wants first) and writes `report` as JSON
+    to `path`, if given."""
+    print(json.dumps(summary, indent=2))
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)

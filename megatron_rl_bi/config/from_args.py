@@ -1,0 +1,80 @@
+"""Parsed flags -> each component's own config dataclass; the only place that reads `args` for
+them (the entry points pass the results on)."""
+
+import argparse
+
+from megatron_rl_bi.inference import EngineConfig, Sampling
+from megatron_rl_bi.rl.loop import LoopConfig
+from megatron_rl_bi.rl.losses import LossConfig
+from megatron_rl_bi.rl.rollouts import RolloutConfig
+from megatron_rl_bi.rl.step import StepConfig
+
+
+def engine_config_from_args(args: argparse.Namespace, prompt_logprobs: bool = False) -> EngineConfig:
+    """The engine's sizes from Megatron's own --inference-* flags."""
+    defaults = EngineConfig()
+    return EngineConfig(
+        max_requests=args.inference_dynamic_batching_max_requests or defaults.max_requests,
+        max_tokens=args.inference_dynamic_batching_max_tokens or defaults.max_tokens,
+        max_sequence_length=args.inference_max_seq_length,
+        buffer_size_gb=args.inference_dynamic_batching_buffer_size_gb,
+        block_size_tokens=args.inference_dynamic_batching_block_size,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def rollout_config_from_args(args: argparse.Namespace) -> RolloutConfig:
+    return RolloutConfig(
+        prompts_per_step=args.grpo_prompts_per_step,
+        group_size=args.grpo_group_size,
+        dynamic_sampling=args.grpo_filter_groups_with_same_reward,
+        max_rounds=args.rl_dynamic_sampling_max_rounds,
+        overlong_buffer=args.rl_overlong_buffer,
+        overlong_penalty=args.rl_overlong_penalty,
+        normalize_std=not args.rl_no_advantage_std,
+    )
+
+
+def loss_config_from_args(args: argparse.Namespace) -> LossConfig:
+    return LossConfig(
+        eps_low=args.grpo_clamp_eps_lower,
+        eps_high=args.grpo_clamp_eps_upper,
+        kl_beta=args.grpo_kl_beta,
+        entropy_weight=args.grpo_entropy_term_weight,
+        tis_cap=(args.rl_importance_sampling_truncation_coef
+                 if args.rl_inference_logprobs_is_correction else None),
+    )
+
+
+def step_config_from_args(args: argparse.Namespace) -> StepConfig:
+    return StepConfig(
+        loss=loss_config_from_args(args),
+        aggregation=args.rl_loss_aggregation,
+        micro_batch_tokens=args.rl_micro_batch_tokens,
+        updates_per_step=args.grpo_iterations,
+    )
+
+
+def sampling_from_args(args: argparse.Namespace, eod_id: int | None) -> Sampling:
+    return Sampling(
+        max_new_tokens=args.rl_max_new_tokens,
+        temperature=args.rl_default_temperature,
+        top_k=args.rl_default_top_k,
+        top_p=args.rl_default_top_p,
+        eod_id=eod_id,
+        seed=args.seed,
+    )
+
+
+def loop_config_from_args(args: argparse.Namespace) -> LoopConfig:
+    return LoopConfig(
+        steps=args.train_iters,
+        seed=args.seed,
+        save_dir=args.save,
+        save_interval=args.save_interval or 0,
+        load_dir=args.load,
+        load_optimizer=not args.no_load_optim,
+        sft_warmup_steps=args.rl_sft_warmup_steps,
+        sft_batch_size=args.rl_sft_batch_size,
+        sft_lr=args.rl_sft_lr,
+    )

@@ -1,0 +1,93 @@
+"""Process setup (one process per GPU, data parallel only) and the one reduction of metrics over
+data-parallel ranks."""
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+
+def initialize_distributed(seed: int) -> None:
+    """One process per GPU (torchrun or a single plain process); TP = PP = 1."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        torch.distributed.init_process_group(
+            "nccl",
+            rank=int(os.environ.get("RANK", 0)),
+            world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=1
+        )
+    model_parallel_cuda_manual_seed(seed)
+
+
+@dataclass
+class MetricTerms:
+    """One rank's share of metrics that pool over ranks.
+
+    `means` are (sum of values, count) pairs, so the pooled mean weighs each rank by its count
+    and a rank with nothing to report (count 0) changes nothing; a mean over a total count of 0
+    is NaN. `sums` add up; `maxima` take the largest (NaN where no rank had a value).
+    """
+
+    means: dict[str, tuple[float, float]] = field(default_factory=dict)
+    sums: dict[str, float] = field(default_factory=dict)
+    maxima: dict[str, float] = field(default_factory=dict)
+
+    def update(self, other: "MetricTerms") -> "MetricTerms":
+        self.means.update(other.means)
+        self.sums.update(other.sums)
+        self.maxima.update(other.maxima)
+        return self
+
+    def finalize(self) -> dict[str, float]:
+        result = {name: total / count if count else math.nan
+                  for name, (total, count) in self.means.items()}
+        result.update(self.sums)
+        result.update({name: math.nan if value == -math.inf else value
+                       for name, value in self.maxima.items()})
+        return result
+
+
+def _union_of_names(local: list[str]) -> list[str]:
+    every_rank = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every_rank, local)
+    return sorted(set().union(*every_rank))
+
+
+def all_reduce_metrics(terms: MetricTerms) -> dict[str, float]:
+    """`terms` pooled over all ranks (a collective: every rank calls it, in the same order).
+    Ranks may report different names; a name missing on a rank counts as count 0, sum 0, or no
+    value for a maximum. Sums that are Python ints on this rank come back as ints."""
+    # NCCL reduces CUDA tensors; gloo (CPU tests) CPU ones.
+    device = torch.cuda.current_device() if torch.distributed.get_backend() == "nccl" else "cpu"
+    names = _union_of_names([f"mean:{n}" for n in terms.means] + [f"sum:{n}" for n in terms.sums]
+                            + [f"max:{n}" for n in terms.maxima])
+    kinds = {kind: [n.split(":", 1)[1] for n in names if n.startswith(kind + ":")]
+             for kind in ("mean", "sum", "max")}
+    added = torch.tensor(
+        [v for n in kinds["mean"] for v in terms.means.get(n, (0.0, 0.0))]
+        + [float(terms.sums.get(n, 0.0)) for n in kinds["sum"]],
+        dtype=torch.float64, device=device,
+    )
+    largest = torch.tensor([float(terms.maxima.get(n, -math.inf)) for n in kinds["max"]],
+                           dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(added)
+    torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
+    added, largest = added.tolist(), largest.tolist()
+    num_means = len(kinds["mean"])
+    pooled = MetricTerms(
+        means={n: (added[2 * i], added[2 * i + 1]) for i, n in enumerate(kinds["mean"])},
+        sums={n: int(v) if isinstance(terms.sums.get(n), int) else v
+              for n, v in zip(kinds["sum"], added[2 * num_means:])},
+        maxima=dict(zip(kinds["max"], largest)),
+    )
+    return pooled.finalize()
