@@ -28,3 +28,21 @@ def test_git_commit_prefers_the_environment(monkeypatch):
     assert git_commit() == "f00d"
     monkeypatch.delenv("GIT_COMMIT")
     assert git_commit() not in ("f00d", "unknown")  # this checkout's HEAD
+
+
+def test_compare_metrics_ignores_timings_only():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "tools" / "compare_metrics.py"
+    spec = importlib.util.spec_from_file_location("compare_metrics", path)
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    expected = {1: {"loss": 0.5, "time/step_s": 1.0}, 2: {"loss": 0.25}}
+    assert compare.differences(expected, {1: {"loss": 0.5, "time/step_s": 9.0}, 2: {"loss": 0.25}}) == []
+    assert compare.differences(expected, {1: {"loss": 0.5}, 2: {"loss": 0.2500001}}) == [
+        "step 2 loss: 0.25 != 0.2500001"]
+    assert compare.differences(expected, {1: {"loss": 0.5}}) == [
+        "steps differ: [2] in one file only"]
+    assert compare.differences({1: {"a": 1}}, {1: {"b": 1}}) == [
+        "step 1 a: 1 != '<missing>'", "step 1 b: '<missing>' != 1"]
