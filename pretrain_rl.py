@@ -58,7 +58,7 @@ def build_logger(args: argparse.Namespace) -> MetricsLogger | None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_rl_args(argv)
-    tokenizer = build_tokenizer(args.rl_tokenizer)
+    tokenizer = build_tokenizer(args.rl_tokenizer, chat_template=not args.rl_no_chat_template)
     task = build_task(args.rl_task, args.seed, args.rl_dataset)
     engine_config = engine_config_from_args(args)
 

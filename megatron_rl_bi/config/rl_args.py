@@ -1,8 +1,9 @@
 """RL flags for pretrain_rl.py: Megatron's own RL flags (--grpo-*, --rl-default-*,
 --rl-importance-sampling-*) plus this package's, `--rl-loss` presets, and YAML recipes.
 
-Precedence, lowest first: Megatron's defaults < this package's defaults < the `--rl-loss`
-preset < the recipe (`--recipe FILE`, keys are flag names with '_' or '-') < the command line.
+Precedence, lowest first: Megatron's defaults < this package's defaults < the model flags of
+`--hf-checkpoint DIR` < the `--rl-loss` preset < the recipe (`--recipe FILE`, keys are flag names
+with '_' or '-') < the command line; a model flag that contradicts the checkpoint is an error.
 """
 
 import argparse
@@ -10,6 +11,8 @@ import sys
 
 import yaml
 
+from megatron_rl_bi.checkpoints.hf.config import megatron_flags, read_hf_model
+from megatron_rl_bi.config.hf_args import add_hf_args, check_against_checkpoint
 from megatron_rl_bi.config.megatron_args import parse_args
 
 RL_DEFAULTS = dict(
@@ -23,6 +26,8 @@ RL_DEFAULTS = dict(
     rl_default_top_k=0,
     lr=1e-5,
     train_iters=100,
+    # Megatron's data-loader batch flag; the RL step packs by --rl-micro-batch-tokens instead.
+    micro_batch_size=1,
 )
 
 LOSS_PRESETS = {
@@ -48,7 +53,11 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="average the loss over tokens (DAPO) or per completion (GRPO)")
     group.add_argument("--rl-task", default="sort", help="sort, countdown or jsonl")
     group.add_argument("--rl-dataset", default=None, help="JSONL file for --rl-task jsonl")
-    group.add_argument("--rl-tokenizer", default="char", help="'char' (built in) or hf:PATH")
+    group.add_argument("--rl-tokenizer", default="char",
+                       help="'char' (built in) or hf:PATH (default with --hf-checkpoint: its own)")
+    group.add_argument("--rl-no-chat-template", action="store_true",
+                       help="encode prompts as plain text, not through the tokenizer's chat "
+                       "template (base models)")
     group.add_argument("--rl-max-new-tokens", type=int, default=16, help="completion budget")
     group.add_argument("--rl-overlong-buffer", type=int, default=0,
                        help="DAPO overlong shaping over the last N tokens of the budget; 0 = off")
@@ -110,11 +119,18 @@ def load_recipe(path: str, parser: argparse.ArgumentParser) -> dict:
 def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else argv
     recipe_path = _scan(argv, "--recipe")
+    model_flags, flag_names = {}, {}
 
     def provider(parser):
-        add_rl_args(parser)
+        add_hf_args(add_rl_args(parser))
+        flag_names.update({a.dest: a.option_strings[0] for a in parser._actions if a.option_strings})
         parser.set_defaults(**RL_DEFAULTS)
         recipe = load_recipe(recipe_path, parser) if recipe_path else {}
+        hf_checkpoint = _scan(argv, "--hf-checkpoint") or recipe.get("hf_checkpoint")
+        if hf_checkpoint:
+            model_flags.update(megatron_flags(read_hf_model(hf_checkpoint)))
+            parser.set_defaults(**model_flags, rl_tokenizer=f"hf:{hf_checkpoint}",
+                                seq_length=model_flags["max_position_embeddings"])
         loss = _scan(argv, "--rl-loss") or recipe.get("rl_loss", "grpo")
         if loss not in LOSS_PRESETS:
             raise ValueError(f"--rl-loss {loss}: expected one of {sorted(LOSS_PRESETS)}")
@@ -123,6 +139,7 @@ def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
         return parser
 
     args = parse_args(argv, extra_args_provider=provider)
+    check_against_checkpoint(args, model_flags, flag_names)
     validate_rl_args(args)
     return args
 

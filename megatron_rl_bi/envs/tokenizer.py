@@ -1,7 +1,8 @@
 """Tokenizers: a built-in character tokenizer (no download) and a Hugging Face wrapper.
 
-Both expose what the RL loop needs: `encode(text) -> ids`, `decode(ids) -> text`, `eod`,
-`vocab_size`.
+Both expose what the RL loop needs: `encode(text) -> ids`, `encode_prompt(text) -> ids` (a task
+prompt as the model expects it: through the chat template where there is one), `decode(ids) ->
+text`, `eod`, `vocab_size`.
 """
 
 _SPECIALS = ("<pad>", "<bos>", "<eos>")
@@ -26,6 +27,9 @@ class CharTokenizer:
             raise ValueError(f"characters outside the char tokenizer's vocabulary: {unknown}")
         return [self._ids[c] for c in text]
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text)
+
     def decode(self, ids: list[int]) -> str:
         """Specials decode to nothing; ids past the vocabulary (the model's padded rows) to
         U+FFFD, so a completion that samples them fails verification instead of the run."""
@@ -37,9 +41,11 @@ class CharTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer from a local path (needs `transformers`)."""
+    """A Hugging Face tokenizer from a local path (needs `transformers`). Prompts go through the
+    tokenizer's chat template as one user turn with the assistant turn opened, unless
+    `chat_template` is False (base models) or the tokenizer has none."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, chat_template: bool = True):
         try:
             from transformers import AutoTokenizer
         except ImportError as exc:
@@ -48,6 +54,7 @@ class HFTokenizer:
         if self._tok.eos_token_id is None:
             raise ValueError(f"tokenizer at {path} has no eos token")
         self.eod = self._tok.eos_token_id
+        self.uses_chat_template = chat_template and bool(self._tok.chat_template)
 
     @property
     def vocab_size(self) -> int:
@@ -56,14 +63,23 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        if not self.uses_chat_template:
+            return self.encode(text)
+        return list(self._tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+            return_dict=False,
+        ))
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
-def build_tokenizer(spec: str):
-    """'char' or 'hf:PATH' (the --rl-tokenizer flag)."""
+def build_tokenizer(spec: str, chat_template: bool = True):
+    """'char' or 'hf:PATH' (the --rl-tokenizer flag); `chat_template` False is
+    --rl-no-chat-template."""
     if spec == "char":
         return CharTokenizer()
     if spec.startswith("hf:"):
-        return HFTokenizer(spec[3:])
+        return HFTokenizer(spec[3:], chat_template)
     raise ValueError(f"--rl-tokenizer {spec}: expected 'char' or 'hf:PATH'")

@@ -44,7 +44,7 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
             raise ValueError("--hybrid-layer-pattern: only --transformer-impl local is supported")
         with compat.hybrid_stack_final_norm(RMSNorm):
             model = HybridModel(
-                hybrid_stack_spec=local_hybrid_stack_spec(),
+                hybrid_stack_spec=local_hybrid_stack_spec(args.qk_layernorm),
                 hybrid_layer_pattern=args.hybrid_layer_pattern,
                 **common,
             )
@@ -55,7 +55,7 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
             ),
             **common,
         )
-    model.cuda(torch.cuda.current_device())
+    model.to(torch.cuda.current_device())
     if args.bf16 or args.fp16:
         model = Float16Module(config, model)
     return model

@@ -73,7 +73,7 @@ class SwitchedGatedDeltaNet(GatedDeltaNet):
             tokens = hidden_states.transpose(0, 1).reshape(-1, hidden)
         conv_state, rule_state = self._zero_states(cu_seqlens.numel() - 1, hidden_states)
         out, bias, _, _ = self._varlen_core(tokens, cu_seqlens, conv_state, rule_state,
-                                            recurrent=bi.enabled())
+                                            recurrent=self._recurrent(decode_only=False))
         if packed_seq_params is None:
             return out.reshape(batch, seq_len, -1).transpose(0, 1), bias
         return out.unsqueeze(1), bias
@@ -101,13 +101,19 @@ class SwitchedGatedDeltaNet(GatedDeltaNet):
         real = bounds[-1]
         out, bias, conv_final, rule_final = self._varlen_core(
             hidden_states[:real, 0], cu_seqlens, conv_state[slots], rule_state[slots],
-            recurrent=bi.enabled() or num_prefill == 0,
+            recurrent=self._recurrent(decode_only=num_prefill == 0),
         )
         tensor_masked_update(conv_state, slots, conv_final)
         tensor_masked_update(rule_state, slots, rule_final)
         padded = out.new_zeros(hidden_states.shape[0], 1, out.shape[-1])
         padded[:real, 0] = out
         return padded, bias
+
+    @staticmethod
+    def _recurrent(decode_only: bool) -> bool:
+        """The rule's forward kernel: recurrent in BI mode (one kernel for every call shape) and
+        for decode-only engine steps; chunked otherwise."""
+        return bi.enabled() or decode_only
 
     def _varlen_core(self, tokens, cu_seqlens, conv_initial, rule_initial, recurrent: bool):
         """tokens [T, h] of N sequences (cu_seqlens [N + 1]), initial states [N, D, W] and

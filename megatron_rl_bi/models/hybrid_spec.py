@@ -5,6 +5,11 @@ order of megatron-core's `hybrid_layer_pattern` ('G' GDN, '*' attention, '-' MLP
 The layer structure is megatron-core's HybridStack spec; only kernels change: local linears,
 models.norm.RMSNorm (BI under the switch) for every norm including GDN's gated output norm,
 FlashCoreAttention for attention, SwitchedGatedDeltaNet for GDN.
+
+Departure from megatron-core: GDN's gated output norm scales by its weight, never by
+1 + weight, whatever --apply-layernorm-1p says (megatron-core follows the flag there). That is
+Qwen3.5's gated norm, so its weights load bit for bit; a zero-centred copy would round weights
+below 0.5.
 """
 
 from functools import partial
@@ -25,7 +30,7 @@ from megatron_rl_bi.models.gdn import SwitchedGatedDeltaNet
 from megatron_rl_bi.models.norm import RMSNorm
 
 
-def local_hybrid_stack_spec() -> ModuleSpec:
+def local_hybrid_stack_spec(qk_layernorm: bool = False) -> ModuleSpec:
     gdn_layer = ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -33,7 +38,9 @@ def local_hybrid_stack_spec() -> ModuleSpec:
             self_attention=ModuleSpec(
                 module=SwitchedGatedDeltaNet,
                 submodules=GatedDeltaNetSubmodules(
-                    in_proj=ColumnParallelLinear, out_norm=RMSNorm, out_proj=RowParallelLinear
+                    in_proj=ColumnParallelLinear,
+                    out_norm=ModuleSpec(module=RMSNorm, params={"zero_centered_gamma": False}),
+                    out_proj=RowParallelLinear,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
@@ -50,6 +57,8 @@ def local_hybrid_stack_spec() -> ModuleSpec:
                     linear_qkv=ColumnParallelLinear,
                     core_attention=FlashCoreAttention,
                     linear_proj=RowParallelLinear,
+                    q_layernorm=RMSNorm if qk_layernorm else None,
+                    k_layernorm=RMSNorm if qk_layernorm else None,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,

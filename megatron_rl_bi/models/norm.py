@@ -12,11 +12,16 @@ from megatron_rl_bi import bi
 
 
 class RMSNorm(torch.nn.Module):
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused):
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
+                 zero_centered_gamma: bool | None = None, **unused):
+        """`zero_centered_gamma` (scale by 1 + weight) defaults to the config's
+        (--apply-layernorm-1p); a spec may fix it for one norm."""
         super().__init__()
         if config.normalization != "RMSNorm":
             raise ValueError(f"--normalization {config.normalization}: this norm is RMSNorm only")
-        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
+        if zero_centered_gamma is None:
+            zero_centered_gamma = config.layernorm_zero_centered_gamma
+        self.zero_centered_gamma = zero_centered_gamma
         init = torch.zeros if self.zero_centered_gamma else torch.ones
         self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
         self.eps = eps

@@ -98,7 +98,7 @@ def collect_rollouts(
     groups, task_rewards, failures, dropped, rounds = [], [], 0, 0, 0
     while len(groups) < config.prompts_per_step and rounds < config.max_rounds:
         examples = source.take(config.prompts_per_step - len(groups))
-        prompts = [tokenizer.encode(e.prompt) for e in examples for _ in range(config.group_size)]
+        prompts = [tokenizer.encode_prompt(e.prompt) for e in examples for _ in range(config.group_size)]
         round_sampling = dataclasses.replace(sampling, seed=sampling.seed + 7919 * rounds)
         generations = generator.generate(prompts, round_sampling)
         for i, example in enumerate(examples):

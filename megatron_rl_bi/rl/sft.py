@@ -14,7 +14,7 @@ from megatron_rl_bi.packing import pack_sequences
 
 def sft_step(ddp, optimizer, examples: list[Example], tokenizer) -> float:
     """One optimizer step on `examples` (one packed micro-batch); returns the global mean NLL."""
-    prompts = [tokenizer.encode(e.prompt) for e in examples]
+    prompts = [tokenizer.encode_prompt(e.prompt) for e in examples]
     answers = [tokenizer.encode(e.answer) + [tokenizer.eod] for e in examples]
     batch = pack_sequences([p + a for p, a in zip(prompts, answers)], [len(p) for p in prompts])
     batch = batch.to(torch.cuda.current_device())

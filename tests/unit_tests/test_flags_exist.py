@@ -6,7 +6,7 @@ import importlib.util
 import pathlib
 import re
 
-from megatron_rl_bi.config import add_rl_args, build_parser
+from megatron_rl_bi.config import add_hf_args, add_rl_args, build_parser
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SOURCES = [
@@ -40,7 +40,7 @@ def _known_flags() -> set[str]:
     check_parity, bi_overhead = _module("tools/check_parity.py"), _module("bench/bi_overhead.py")
 
     def ours(parser):
-        return bi_overhead.add_bench_args(check_parity.add_parity_args(add_rl_args(parser)))
+        return bi_overhead.add_bench_args(check_parity.add_parity_args(add_hf_args(add_rl_args(parser))))
 
     parsers = [build_parser(ours), _module("bench/gdn_rule.py").build_parser(),
                _module("tools/plot_metrics.py").build_parser()]

@@ -1,0 +1,140 @@
+"""A Hugging Face `config.json` -> the Megatron flags that build the same model.
+
+Families: Qwen3 (`model_type` "qwen3", dense) and Qwen3.5 (`qwen3_5_text`, or `qwen3_5` whose
+nested `text_config` is used and whose vision tower is left out): a hybrid of Gated DeltaNet
+('G') and gated full-attention ('*') mixers, each followed by a dense MLP ('-'), zero-centred
+RMSNorm weights, partial rotary embeddings. Features the mapping does not cover (MoE, sliding
+windows, rope scaling, attention biases, other activations) fail here with the key that says
+so, before any weight is read.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+
+FAMILIES = ("qwen3", "qwen3_5")
+
+
+@dataclass(frozen=True)
+class HFModel:
+    """What this package needs to know of a checkpoint directory."""
+
+    path: str
+    family: str  # one of FAMILIES
+    text_config: dict  # the language model's config (Qwen3.5: `text_config` when nested)
+    config: dict  # config.json as written
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text_config["vocab_size"]
+
+    @property
+    def layer_types(self) -> list[str]:
+        """Qwen3.5: 'linear_attention' or 'full_attention' per layer."""
+        cfg = self.text_config
+        if cfg.get("layer_types"):
+            return list(cfg["layer_types"])
+        interval = cfg.get("full_attention_interval", 4)
+        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                for i in range(cfg["num_hidden_layers"])]
+
+
+def read_hf_model(path: str) -> HFModel:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"--hf-checkpoint {path}: no config.json there")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    model_type = config.get("model_type")
+    if model_type == "qwen3":
+        return HFModel(path, "qwen3", config, config)
+    if model_type == "qwen3_5_text":
+        return HFModel(path, "qwen3_5", config, config)
+    if model_type == "qwen3_5" and isinstance(config.get("text_config"), dict):
+        return HFModel(path, "qwen3_5", config["text_config"], config)
+    raise ValueError(f"{config_path}: model_type {model_type!r} is not supported "
+                     "(qwen3, qwen3_5_text, or qwen3_5 with a text_config)")
+
+
+def _rope(model: HFModel) -> tuple[float, float]:
+    """(rope theta, rotary fraction) from either config layout (transformers 5's
+    `rope_parameters`, or top-level `rope_theta` / `partial_rotary_factor` / `rope_scaling`)."""
+    cfg = model.text_config
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"{model.path}/config.json: rope_type {rope_type!r} is not supported "
+                         "(only the default rope)")
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    default_fraction = 0.25 if model.family == "qwen3_5" else 1.0
+    fraction = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default_fraction))
+    if theta is None or float(theta) != int(theta):
+        raise ValueError(f"{model.path}/config.json: rope_theta {theta!r}: an integer is needed")
+    return float(theta), float(fraction)
+
+
+def _refuse_unsupported(model: HFModel) -> None:
+    cfg, where = model.text_config, f"{model.path}/config.json"
+    problems = []
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {cfg['hidden_act']!r} (only silu: SwiGLU)")
+    if cfg.get("attention_bias"):
+        problems.append("attention_bias true")
+    if cfg.get("use_sliding_window"):
+        problems.append("use_sliding_window true")
+    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+        problems.append("a mixture of experts (num_experts): MoE models are not supported")
+    if problems:
+        raise ValueError(f"{where}: not supported: " + "; ".join(problems))
+
+
+def megatron_flags(model: HFModel) -> dict:
+    """Megatron argument destinations -> values that build this checkpoint's architecture."""
+    _refuse_unsupported(model)
+    cfg = model.text_config
+    theta, rotary_fraction = _rope(model)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    flags = dict(
+        hidden_size=cfg["hidden_size"],
+        ffn_hidden_size=cfg["intermediate_size"],
+        num_attention_heads=heads,
+        group_query_attention=kv_heads != heads,
+        num_query_groups=kv_heads,
+        kv_channels=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        max_position_embeddings=cfg["max_position_embeddings"],
+        position_embedding_type="rope",
+        rotary_base=int(theta),  # Megatron's --rotary-base is an int
+        rotary_percent=rotary_fraction,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg["rms_norm_eps"],
+        qk_layernorm=True,
+        swiglu=True,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
+        vocab_size=cfg["vocab_size"],
+    )
+    if model.family == "qwen3":
+        flags.update(num_layers=cfg["num_hidden_layers"], layernorm_zero_centered_gamma=False,
+                     attention_output_gate=False)
+    else:
+        flags.update(_qwen3_5_flags(model))
+    return flags
+
+
+def _qwen3_5_flags(model: HFModel) -> dict:
+    cfg = model.text_config
+    symbols = {"linear_attention": "G", "full_attention": "*"}
+    unknown = sorted(set(model.layer_types) - set(symbols))
+    if unknown:
+        raise ValueError(f"{model.path}/config.json: layer_types {unknown} are not supported")
+    return dict(
+        hybrid_layer_pattern="".join(symbols[kind] + "-" for kind in model.layer_types),
+        layernorm_zero_centered_gamma=True,  # Qwen3.5's RMSNorm scales by (1 + weight)
+        attention_output_gate=cfg.get("attn_output_gate", True),
+        linear_num_key_heads=cfg["linear_num_key_heads"],
+        linear_num_value_heads=cfg["linear_num_value_heads"],
+        linear_key_head_dim=cfg["linear_key_head_dim"],
+        linear_value_head_dim=cfg["linear_value_head_dim"],
+        linear_conv_kernel_dim=cfg["linear_conv_kernel_dim"],
+    )

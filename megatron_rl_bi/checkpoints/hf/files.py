@@ -1,0 +1,95 @@
+"""Safetensors checkpoints on disk: reading tensors by name across shards, and writing a
+directory atomically (shards + index + the source's config and tokenizer files)."""
+
+import json
+import os
+import shutil
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Files a Hugging Face directory carries besides weights; copied from the source on export.
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json", "tokenizer.model")
+
+
+class SafetensorsReader:
+    """Tensors of a checkpoint directory by name, opening each shard once."""
+
+    def __init__(self, path: str):
+        self.path = path
+        index = os.path.join(path, INDEX)
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                self.files = json.load(f)["weight_map"]
+        elif os.path.isfile(os.path.join(path, SINGLE)):
+            with safe_open(os.path.join(path, SINGLE), framework="pt") as f:
+                self.files = {name: SINGLE for name in f.keys()}
+        else:
+            raise ValueError(f"{path}: neither {INDEX} nor {SINGLE}")
+        self._open = {}
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.files:
+            raise ValueError(f"{self.path}: no tensor {name!r} in the checkpoint")
+        file = self.files[name]
+        if file not in self._open:
+            self._open[file] = safe_open(os.path.join(self.path, file), framework="pt")
+        return self._open[file].get_tensor(name)
+
+    def _slice(self, name: str):
+        self.get(name)  # opens the shard (and names the tensor in the error if it is missing)
+        return self._open[self.files[name]].get_slice(name)
+
+    def shape(self, name: str) -> torch.Size:
+        return torch.Size(self._slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _DTYPES[self._slice(name).get_dtype()]
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict]:
+    shards, current, size = [], {}, 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = tensor
+        size += nbytes
+    return shards + ([current] if current else [])
+
+
+def write_checkpoint(out_dir: str, tensors: dict[str, torch.Tensor], config: dict,
+                     source_dir: str, max_shard_bytes: int = 5 << 30) -> None:
+    """Writes `out_dir` whole or not at all: everything goes to `out_dir.tmp`, which replaces
+    `out_dir` only when complete (an existing `out_dir` is kept until then)."""
+    tmp = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    shards = _shards(tensors, max_shard_bytes)
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        file = SINGLE if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(tmp, file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        with open(os.path.join(tmp, INDEX), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(source_dir, name)):
+            shutil.copy2(os.path.join(source_dir, name), tmp)
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)

@@ -1,0 +1,36 @@
+"""Flags for Hugging Face checkpoints in and out, and the model flags a checkpoint implies.
+
+With `--hf-checkpoint DIR` the architecture flags come from DIR/config.json (as defaults, below
+the `--rl-loss` preset, the recipe and the command line), the tokenizer defaults to DIR's, and a
+flag given elsewhere that contradicts the checkpoint is an error naming both.
+"""
+
+import argparse
+
+
+
+def add_hf_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("megatron_rl_bi: Hugging Face checkpoints")
+    group.add_argument("--hf-checkpoint", default=None, metavar="DIR",
+                       help="start from this Hugging Face directory (Qwen3, Qwen3.5): model flags "
+                       "from its config.json, weights from its safetensors, its tokenizer")
+    group.add_argument("--save-hf", default=None, metavar="DIR",
+                       help="write the policy as Hugging Face directories DIR/iter_N (at the end "
+                       "and every --save-hf-interval steps); needs --hf-checkpoint")
+    group.add_argument("--save-hf-interval", type=int, default=0,
+                       help="steps between --save-hf exports; 0: at the end only")
+    return parser
+
+
+def check_against_checkpoint(args: argparse.Namespace, model_flags: dict, flag_names: dict) -> None:
+    """One ValueError naming every model flag whose value differs from the checkpoint's
+    (`model_flags`, from `megatron_flags`); `flag_names` maps destinations to flags."""
+    errors = [
+        f"{flag_names.get(dest, dest)} ({dest}={getattr(args, dest)!r}) contradicts "
+        f"{args.hf_checkpoint}/config.json, which implies {dest}={value!r}"
+        for dest, value in model_flags.items() if getattr(args, dest) != value
+    ]
+    if args.save_hf and not args.hf_checkpoint:
+        errors.append("--save-hf needs --hf-checkpoint (the config and tokenizer to write)")
+    if errors:
+        raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))

@@ -1,0 +1,89 @@
+"""Tiny random Hugging Face checkpoints written by `transformers` inside the tests (nothing is
+downloaded): Qwen3 (dense) and Qwen3.5 (hybrid, flat or nested in a vision-language config),
+with a small word-level tokenizer that has a chat template."""
+
+import json
+import os
+
+import torch
+
+WORDS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant", "\n"] + [
+    str(i) for i in range(40)] + ["+", "=", "what", "is", "the", "answer", "boxed"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<|endoftext|>"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split("\n", "isolated"),
+                                                     pre_tokenizers.WhitespaceSplit()])
+    backend.add_special_tokens(WORDS[:3])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every tensor random (norm weights too), so a mapping that swaps or drops one shows."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator) * 0.05
+            param.copy_((1.0 if name.endswith("norm.weight") and "linear_attn" in name else 0.0)
+                        + noise if "A_log" not in name else noise.abs().log())
+
+
+def save_qwen3(path: str, tied: bool = True, seed: int = 0) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=len(WORDS) + 3, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+                         tie_word_embeddings=tied, rope_parameters={"rope_type": "default",
+                                                                    "rope_theta": 10000.0})
+    model = Qwen3ForCausalLM(config)
+    _randomize(model, seed)
+    model.save_pretrained(path)
+    save_tokenizer(path)
+
+
+def qwen35_text_config(**overrides):
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    values = dict(vocab_size=len(WORDS) + 3, hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                   "partial_rotary_factor": 0.25})
+    return Qwen3_5TextConfig(**{**values, **overrides})
+
+
+def save_qwen35(path: str, nested: bool = False, seed: int = 0, extra_tensors: dict | None = None) -> None:
+    """`nested`: written as a vision-language `qwen3_5` config with the text model under
+    `model.language_model.` (the vision tower itself is left out of the tiny checkpoint)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+    model = Qwen3_5ForCausalLM(qwen35_text_config())
+    _randomize(model, seed)
+    model.save_pretrained(path)
+    save_tokenizer(path)
+    if not (nested or extra_tensors):
+        return
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    if nested:
+        tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
+        with open(os.path.join(path, "config.json")) as f:
+            text_config = json.load(f)
+        config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+                  "text_config": text_config, "vision_config": {"depth": 1}}
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f)
+    save_file({**tensors, **(extra_tensors or {})}, file, metadata={"format": "pt"})

@@ -1,0 +1,175 @@
+"""Hugging Face checkpoints in and out, on CPU: tiny random Qwen3 and Qwen3.5 models written by
+`transformers` in the test, imported into this package's Megatron model (built from the flags
+their config implies), compared with transformers' own forward, and exported back.
+
+The logits comparison is fp32 and not a bitwise claim: the two forwards use different kernels
+(a torch reference for FlashAttention, fla's recurrent GDN kernel in the Triton interpreter vs
+transformers' chunked torch rule, different RMSNorm and rope code), so they agree to rounding,
+checked at 1e-5 absolute (seen: at most 1e-6 on logits of order 1). The round trip (import,
+export) is bitwise."""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hf_checkpoints import save_qwen3, save_qwen35  # noqa: E402
+
+from megatron_rl_bi import bi  # noqa: E402
+from megatron_rl_bi.checkpoints.hf import export_hf, load_hf_weights, read_hf_model  # noqa: E402
+from megatron_rl_bi.config import parse_rl_args  # noqa: E402
+from megatron_rl_bi.packing import pack_sequences  # noqa: E402
+
+LOGITS_ATOL = 1e-5
+SEQUENCES = [[1, 3, 48, 49, 9, 46, 10, 2, 1, 4], [7, 8, 9], [20, 21, 22, 23, 24, 25, 26]]
+
+
+def torch_varlen_attention(q, k, v, cu_seqlens_q, softmax_scale, causal, **unused):
+    """FlashAttention's varlen call, in torch: causal attention per packed sequence, GQA."""
+    bounds = cu_seqlens_q.tolist()
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q_, k_, v_ = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [heads, L, d]
+        repeat = q_.shape[0] // k_.shape[0]
+        k_, v_ = k_.repeat_interleave(repeat, 0), v_.repeat_interleave(repeat, 0)
+        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, scale=softmax_scale)
+        outs.append(out.transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _transformers_gdn_in_torch(monkeypatch):
+    """transformers swaps in fla's kernels where fla is installed; the reference side of the
+    comparison is its own torch code (fla's chunked kernels do not run in the interpreter)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen35
+
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+                 "causal_conv1d_fn", "causal_conv1d_update"):
+        function = getattr(qwen35, name)
+        monkeypatch.setattr(qwen35, name, getattr(function, "__wrapped__", function))
+
+
+@pytest.fixture
+def cpu_megatron(gloo_group, single_config_autotune, monkeypatch):
+    """Megatron model construction and forward on CPU: the current device is the CPU, attention
+    runs the torch reference, GDN runs fla's recurrent kernel (the chunked one has no Triton
+    interpreter path)."""
+    from megatron.core import parallel_state
+
+    from megatron_rl_bi.attention import flash
+    from megatron_rl_bi.models.gdn import SwitchedGatedDeltaNet
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setattr(flash, "flash_varlen_function", lambda version: torch_varlen_attention)
+    monkeypatch.setattr(SwitchedGatedDeltaNet, "_recurrent", staticmethod(lambda decode_only: True))
+    _transformers_gdn_in_torch(monkeypatch)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+
+
+def build(path: str, *flags: str):
+    from megatron_rl_bi.models.build import build_model
+
+    args = parse_rl_args(["--hf-checkpoint", path, "--use-cpu-initialization", "--no-initialization",
+                          "--transformer-impl", "local", "--flash-attention-version", "4", *flags])
+    with bi.batch_invariant(False):
+        model = build_model(args, args.vocab_size)
+    return model, args
+
+
+def our_logits(model, sequences):
+    batch = pack_sequences(sequences)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                       attention_mask=None, packed_seq_params=batch.packed_seq_params())[0]
+    return torch.split(logits, batch.sequence_lengths)
+
+
+def hf_logits(path, sequences):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        return [model(torch.tensor([s])).logits[0] for s in sequences]
+
+
+def assert_same_model(path, model, vocab_size):
+    for ours, theirs in zip(our_logits(model, SEQUENCES), hf_logits(path, SEQUENCES)):
+        assert ours.shape[-1] >= vocab_size
+        assert (ours[:, vocab_size:] == 0).all()  # padded vocabulary rows are zero
+        assert (ours[:, :vocab_size] - theirs).abs().max().item() < LOGITS_ATOL
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_qwen3_import_matches_transformers_and_round_trips(tmp_path, cpu_megatron, tied):
+    save_qwen3(str(tmp_path / "hf"), tied=tied)
+    hf = read_hf_model(str(tmp_path / "hf"))
+    model, args = build(hf.path)
+    assert (args.num_layers, args.hidden_size, args.kv_channels, args.num_query_groups) == (2, 64, 16, 2)
+    assert args.untie_embeddings_and_output_weights is not tied and args.qk_layernorm
+    load_hf_weights(model, hf)
+    assert_same_model(hf.path, model, hf.vocab_size)
+    assert_round_trip(model, hf, tmp_path / "out")
+
+
+def assert_round_trip(model, hf, out_dir):
+    from safetensors.torch import load_file
+
+    export_hf(model, hf, str(out_dir))
+    original = load_file(os.path.join(hf.path, "model.safetensors"))
+    exported = load_file(os.path.join(out_dir, "model.safetensors"))
+    text = {k.replace("model.language_model.", "model."): v for k, v in original.items()
+            if not k.startswith("mtp.")}
+    assert sorted(exported) == sorted(text)
+    for name, tensor in text.items():
+        assert torch.equal(exported[name], tensor), name
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert os.path.isfile(os.path.join(out_dir, name))
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_qwen35_import_matches_transformers_and_round_trips(tmp_path, cpu_megatron, nested):
+    mtp = {"mtp.fc.weight": torch.zeros(2, 2)}  # an MTP head: skipped with a note
+    save_qwen35(str(tmp_path / "hf"), nested=nested, extra_tensors=mtp)
+    hf = read_hf_model(str(tmp_path / "hf"))
+    model, args = build(hf.path)
+    assert args.hybrid_layer_pattern == "G-G-G-*-"
+    assert args.attention_output_gate and args.layernorm_zero_centered_gamma
+    assert args.rotary_percent == 0.25 and args.kv_channels == 32
+    load_hf_weights(model, hf)
+    reference = hf.path
+    if nested:  # transformers reads the text model of the exported (text-only) directory
+        export_hf(model, hf, str(tmp_path / "text"))
+        reference = str(tmp_path / "text")
+    assert_same_model(reference, model, hf.vocab_size)
+    assert_round_trip(model, hf, tmp_path / "out")
+
+
+def test_contradicting_flags_are_named(tmp_path):
+    save_qwen3(str(tmp_path / "hf"))
+    with pytest.raises(ValueError) as info:
+        parse_rl_args(["--hf-checkpoint", str(tmp_path / "hf"), "--hidden-size", "128",
+                       "--num-query-groups", "4"])
+    message = str(info.value)
+    assert "--hidden-size (hidden_size=128) contradicts" in message and "hidden_size=64" in message
+    assert "--num-query-groups (num_query_groups=4)" in message
+
+
+def test_unsupported_checkpoints_fail_before_any_weight_is_read(tmp_path):
+    import json
+
+    save_qwen3(str(tmp_path / "hf"))
+    config_path = tmp_path / "hf" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "hidden_act": "gelu", "num_experts": 8}))
+    with pytest.raises(ValueError, match="hidden_act 'gelu'.*mixture of experts"):
+        parse_rl_args(["--hf-checkpoint", str(tmp_path / "hf")])
+    config_path.write_text(json.dumps({**config, "model_type": "llama"}))
+    with pytest.raises(ValueError, match="model_type 'llama' is not supported"):
+        read_hf_model(str(tmp_path / "hf"))
+    with pytest.raises(ValueError, match="no config.json"):
+        read_hf_model(str(tmp_path / "nowhere"))
