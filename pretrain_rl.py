@@ -13,6 +13,7 @@ import argparse
 import torch
 
 from megatron_rl_bi import bi
+from megatron_rl_bi.checkpoints.hf import HFModel, load_hf_weights, read_hf_model
 from megatron_rl_bi.checkpoints.megatron import load_pretrained_weights
 from megatron_rl_bi.config import parse_rl_args
 from megatron_rl_bi.config.from_args import (
@@ -24,6 +25,7 @@ from megatron_rl_bi.config.from_args import (
 )
 from megatron_rl_bi.distributed import initialize_distributed
 from megatron_rl_bi.envs import build_task
+from megatron_rl_bi.envs.tasks import JsonlTask
 from megatron_rl_bi.envs.tokenizer import build_tokenizer
 from megatron_rl_bi.inference import Generator
 from megatron_rl_bi.models.build import build_model
@@ -33,10 +35,11 @@ from megatron_rl_bi.reporting.provenance import provenance
 from megatron_rl_bi.rl.loop import run_rl
 
 
-def build_reference_model(args: argparse.Namespace, vocab_size: int, policy) -> torch.nn.Module:
-    """Frozen copy of the starting policy (--pretrained-checkpoint or the initial weights), for
-    --grpo-kl-beta > 0. Built before any resume, so a resumed run has the same reference."""
-    reference = build_model(args, vocab_size)
+def build_reference_model(args: argparse.Namespace, policy) -> torch.nn.Module:
+    """Frozen copy of the starting policy (--hf-checkpoint, --pretrained-checkpoint or the initial
+    weights), for --grpo-kl-beta > 0. Built before any resume, so a resumed run has the same
+    reference."""
+    reference = build_model(args, args.padded_vocab_size)
     reference.load_state_dict(policy.state_dict())
     reference.requires_grad_(False)
     return reference
@@ -56,28 +59,42 @@ def build_logger(args: argparse.Namespace) -> MetricsLogger | None:
     )
 
 
+def build_policy(args: argparse.Namespace, tokenizer, hf_model: HFModel | None) -> torch.nn.Module:
+    """The model, with the starting weights of --hf-checkpoint or --pretrained-checkpoint."""
+    vocab_size = args.vocab_size or tokenizer.vocab_size
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"--rl-tokenizer {args.rl_tokenizer} has {tokenizer.vocab_size} tokens, "
+                         f"more than the model's vocabulary ({vocab_size})")
+    model = build_model(args, vocab_size)
+    if hf_model is not None:
+        load_hf_weights(model, hf_model)
+    if args.pretrained_checkpoint:
+        load_pretrained_weights(args.pretrained_checkpoint, model)
+    return model
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_rl_args(argv)
     tokenizer = build_tokenizer(args.rl_tokenizer, chat_template=not args.rl_no_chat_template)
     task = build_task(args.rl_task, args.seed, args.rl_dataset)
+    eval_examples = JsonlTask(args.rl_eval_dataset).examples if args.rl_eval_dataset else None
+    hf_model = read_hf_model(args.hf_checkpoint) if args.hf_checkpoint else None
     engine_config = engine_config_from_args(args)
 
     initialize_distributed(args.seed)
     with bi.batch_invariant(args.batch_invariant_mode):
-        model = build_model(args, tokenizer.vocab_size)
-        if args.pretrained_checkpoint:
-            load_pretrained_weights(args.pretrained_checkpoint, model)
+        model = build_policy(args, tokenizer, hf_model)
         ddp, optimizer = build_ddp_and_optimizer(args, model)
         generator = Generator(model, engine_config)
         logger = build_logger(args)
         reference = None
         if args.grpo_kl_beta > 0:
-            reference = build_reference_model(args, tokenizer.vocab_size, model)
+            reference = build_reference_model(args, model)
         run_rl(ddp=ddp, optimizer=optimizer, generator=generator, task=task, tokenizer=tokenizer,
                rollout_config=rollout_config_from_args(args),
                step_config=step_config_from_args(args),
                sampling=sampling_from_args(args, tokenizer.eod), config=loop_config_from_args(args),
-               logger=logger, ref_model=reference)
+               logger=logger, ref_model=reference, hf_model=hf_model, eval_examples=eval_examples)
     if logger:
         logger.close()
     torch.distributed.barrier()

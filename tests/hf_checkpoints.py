@@ -64,13 +64,14 @@ def qwen35_text_config(**overrides):
     return Qwen3_5TextConfig(**{**values, **overrides})
 
 
-def save_qwen35(path: str, nested: bool = False, seed: int = 0, extra_tensors: dict | None = None) -> None:
+def save_qwen35(path: str, nested: bool = False, seed: int = 0, extra_tensors: dict | None = None,
+                tied: bool = False) -> None:
     """`nested`: written as a vision-language `qwen3_5` config with the text model under
     `model.language_model.` (the vision tower itself is left out of the tiny checkpoint)."""
     from safetensors.torch import load_file, save_file
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 
-    model = Qwen3_5ForCausalLM(qwen35_text_config())
+    model = Qwen3_5ForCausalLM(qwen35_text_config(tie_word_embeddings=tied))
     _randomize(model, seed)
     model.save_pretrained(path)
     save_tokenizer(path)

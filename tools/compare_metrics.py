@@ -1,5 +1,6 @@
 """Do two metrics JSONL files (pretrain_rl.py --rl-metrics-jsonl) hold the same step records?
-Timing values (`time/*`, `throughput/*`) are left out; every other value must be equal (==).
+Measurements of the machine (`time/*`, `throughput/*`, `memory/*`) are left out; every other
+value must be equal (==).
 Exit status 1 and one line per difference otherwise.
 
   python tools/compare_metrics.py results/rl_tiny_h200.jsonl runs/tiny_sort/metrics.jsonl
@@ -13,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_rl_bi.reporting.metrics import read_step_records  # noqa: E402
 
-TIMING_PREFIXES = ("time/", "throughput/")
+TIMING_PREFIXES = ("time/", "throughput/", "memory/")
 
 
 def differences(expected: dict[int, dict], actual: dict[int, dict]) -> list[str]:

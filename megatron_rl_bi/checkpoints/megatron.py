@@ -134,6 +134,22 @@ def resolve_checkpoint_dir(path: str) -> str:
     return os.path.join(path, name)
 
 
+def save_weights(model, path: str) -> None:
+    """Model weights only, as a torch_dist checkpoint directory that --pretrained-checkpoint
+    reads; written to `path.tmp` and renamed when complete."""
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    tmp = path.rstrip("/") + ".tmp"
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    torch.distributed.barrier()
+    dist_checkpointing.save({"model": unwrap_model(model).sharded_state_dict(metadata=metadata)}, tmp)
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    torch.distributed.barrier()
+
+
 def load_pretrained_weights(path: str, model) -> None:
     """Model weights only (no optimizer, no RL state) from a Megatron torch_dist checkpoint."""
     metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}

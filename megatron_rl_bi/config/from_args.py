@@ -77,4 +77,7 @@ def loop_config_from_args(args: argparse.Namespace) -> LoopConfig:
         sft_warmup_steps=args.rl_sft_warmup_steps,
         sft_batch_size=args.rl_sft_batch_size,
         sft_lr=args.rl_sft_lr,
+        save_hf_dir=args.save_hf,
+        save_hf_interval=args.save_hf_interval,
+        eval_interval=args.eval_interval or 0,
     )

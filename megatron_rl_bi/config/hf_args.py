@@ -22,9 +22,10 @@ def add_hf_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def check_against_checkpoint(args: argparse.Namespace, model_flags: dict, flag_names: dict) -> None:
-    """One ValueError naming every model flag whose value differs from the checkpoint's
-    (`model_flags`, from `megatron_flags`); `flag_names` maps destinations to flags."""
+def checkpoint_flag_errors(args: argparse.Namespace, model_flags: dict, flag_names: dict) -> list[str]:
+    """Every model flag whose value differs from the checkpoint's (`model_flags`, from
+    `megatron_flags`), and the checkpoint flags used without what they need; `flag_names` maps
+    destinations to flags."""
     errors = [
         f"{flag_names.get(dest, dest)} ({dest}={getattr(args, dest)!r}) contradicts "
         f"{args.hf_checkpoint}/config.json, which implies {dest}={value!r}"
@@ -32,5 +33,9 @@ def check_against_checkpoint(args: argparse.Namespace, model_flags: dict, flag_n
     ]
     if args.save_hf and not args.hf_checkpoint:
         errors.append("--save-hf needs --hf-checkpoint (the config and tokenizer to write)")
-    if errors:
-        raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))
+    if args.save_hf_interval and not args.save_hf:
+        errors.append("--save-hf-interval needs --save-hf DIR")
+    if args.hf_checkpoint and args.pretrained_checkpoint:
+        errors.append("--hf-checkpoint and --pretrained-checkpoint both give the starting weights: "
+                      "pass one")
+    return errors

@@ -12,7 +12,7 @@ import sys
 import yaml
 
 from megatron_rl_bi.checkpoints.hf.config import megatron_flags, read_hf_model
-from megatron_rl_bi.config.hf_args import add_hf_args, check_against_checkpoint
+from megatron_rl_bi.config.hf_args import add_hf_args, checkpoint_flag_errors
 from megatron_rl_bi.config.megatron_args import parse_args
 
 RL_DEFAULTS = dict(
@@ -53,6 +53,9 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="average the loss over tokens (DAPO) or per completion (GRPO)")
     group.add_argument("--rl-task", default="sort", help="sort, countdown or jsonl")
     group.add_argument("--rl-dataset", default=None, help="JSONL file for --rl-task jsonl")
+    group.add_argument("--rl-eval-dataset", default=None,
+                       help="held-out JSONL ({prompt, answer} lines, math verifier) scored every "
+                       "--eval-interval steps as validation_reward/mean")
     group.add_argument("--rl-tokenizer", default="char",
                        help="'char' (built in) or hf:PATH (default with --hf-checkpoint: its own)")
     group.add_argument("--rl-no-chat-template", action="store_true",
@@ -139,13 +142,13 @@ def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
         return parser
 
     args = parse_args(argv, extra_args_provider=provider)
-    check_against_checkpoint(args, model_flags, flag_names)
-    validate_rl_args(args)
+    validate_rl_args(args, checkpoint_flag_errors(args, model_flags, flag_names))
     return args
 
 
-def validate_rl_args(args: argparse.Namespace) -> None:
-    errors = []
+def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
+    """One ValueError listing every bad RL flag (and `errors` found elsewhere)."""
+    errors = list(errors)
     for flag in ("grpo_group_size", "grpo_prompts_per_step", "grpo_iterations",
                  "rl_max_new_tokens", "rl_micro_batch_tokens", "train_iters"):
         if getattr(args, flag) is None or getattr(args, flag) < 1:
@@ -165,6 +168,8 @@ def validate_rl_args(args: argparse.Namespace) -> None:
                       "in a separate run and pass its checkpoint")
     if args.save_interval and not args.save:
         errors.append("--save-interval needs --save DIR")
+    if bool(args.eval_interval) != bool(args.rl_eval_dataset):
+        errors.append("--eval-interval and --rl-eval-dataset go together")
     if args.rl_default_top_k > 0 and args.rl_default_top_p > 0:
         errors.append("--rl-default-top-k and --rl-default-top-p cannot both be set (engine)")
     if args.rl_default_temperature <= 0:

@@ -55,12 +55,62 @@ def verify_countdown(completion: str, numbers: list[int], target: int) -> float:
         return 0.0
 
 
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_FINAL_PHRASES = re.compile(
+    r"(?:final answer|the answer|answer)\s*(?:is|:)\s*(.+?)(?:\.\s|\.$|\n|$)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+_FRAC = re.compile(r"\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}|\\[dt]?frac(\d)(\d)")
+_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
 
 
-def _normalize_number(text: str) -> Fraction | None:
-    text = text.replace(",", "").replace("$", "").strip()
+def _last_braced(text: str, command: str) -> str | None:
+    """Content of the last `\\command{...}`, braces balanced (`\\boxed{\\frac{1}{2}}`)."""
+    start = text.rfind("\\" + command + "{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len(command) + 2
+    for i in range(begin - 1, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin:i]
+    return None  # unbalanced: no answer
+
+
+def final_answer(completion: str) -> str:
+    """The answer a completion commits to: the last \\boxed{} (or \\fbox{}), else the text after
+    '####', else after 'the answer is' / 'Answer:', else the last number; '' if none."""
+    for command in ("boxed", "fbox"):
+        if (boxed := _last_braced(completion, command)) is not None:
+            return boxed
+    if "####" in completion:
+        return completion.rsplit("####", 1)[1].strip().split("\n")[0]
+    if phrases := _FINAL_PHRASES.findall(completion):
+        return phrases[-1]
+    numbers = _NUMBER.findall(completion.replace(",", ""))
+    return numbers[-1] if numbers else ""
+
+
+def _normalize(text: str) -> str:
+    """LaTeX and formatting noise out: $, \\left/\\right, spacing commands, \\text{}, degrees,
+    percent signs, thousands separators, a leading 'x =' and trailing punctuation."""
+    text = _TEXT.sub(r"\1", text)
+    for noise in ("$", "\\left", "\\right", "\\!", "\\,", "\\;", "\\%", "%", "^\\circ",
+                  "^{\\circ}", "\\displaystyle"):
+        text = text.replace(noise, "")
+    text = re.sub(r"^\s*[a-zA-Z]\s*=\s*", "", text)
+    text = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text)
+    return text.strip().rstrip(".").replace(" ", "")
+
+
+def _as_number(text: str) -> Fraction | None:
+    """-3, 0.5, 1/2, \\frac{1}{2}, -\\dfrac{3}{4}, \\frac12 as exact fractions; else None."""
+    sign = -1 if text.startswith("-") else 1
+    body = text[1:] if sign < 0 else text
+    if match := _FRAC.fullmatch(body):
+        numerator, denominator = (match.group(1), match.group(2)) if match.group(1) else match.group(3, 4)
+        parts = (_as_number(numerator), _as_number(denominator))
+        if None in parts or parts[1] == 0:
+            return None
+        return sign * parts[0] / parts[1]
     try:
         return Fraction(text)
     except (ValueError, ZeroDivisionError):
@@ -68,15 +118,12 @@ def _normalize_number(text: str) -> Fraction | None:
 
 
 def verify_math(completion: str, answer: str) -> float:
-    """The final answer is the last \\boxed{...} if any, else the last number in the completion.
-    Numbers compare exactly as fractions (1/2 == 0.5); other answers as stripped strings."""
-    boxed = _BOXED.findall(completion)
-    if boxed:
-        given = boxed[-1]
-    else:
-        numbers = _NUMBER.findall(completion.replace(",", ""))
-        given = numbers[-1] if numbers else ""
-    expected_number = _normalize_number(answer)
+    """1 if the completion's final answer equals `answer`: as exact numbers where both are
+    numbers (1/2 == 0.5 == \\frac{1}{2}, 1,234 == 1234), else as normalized LaTeX strings."""
+    given, expected = _normalize(final_answer(completion)), _normalize(answer)
+    if not given:
+        return 0.0
+    given_number, expected_number = _as_number(given), _as_number(expected)
     if expected_number is not None:
-        return float(_normalize_number(given) == expected_number)
-    return float(given.strip() == answer.strip())
+        return float(given_number == expected_number)
+    return float(given == expected)

@@ -8,16 +8,19 @@ resumed from a checkpoint repeats the uninterrupted one.
 """
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
+from megatron_rl_bi.checkpoints.hf import HFModel, export_hf
 from megatron_rl_bi.checkpoints.megatron import load_checkpoint, save_checkpoint
 from megatron_rl_bi.distributed import MetricTerms, all_reduce_metrics
 from megatron_rl_bi.envs import PromptSource
 from megatron_rl_bi.inference import Generator, Sampling
 from megatron_rl_bi.reporting.metrics import MetricsLogger
+from megatron_rl_bi.rl.evaluate import validation_terms
 from megatron_rl_bi.rl.rollouts import RolloutConfig, collect_rollouts
 from megatron_rl_bi.rl.sft import sft_step
 from megatron_rl_bi.rl.step import StepConfig, train_on_rollouts
@@ -46,6 +49,12 @@ class LoopConfig:
     """Examples per warm-up step (--rl-sft-batch-size)."""
     sft_lr: float | None = None
     """Learning rate of the warm-up; None keeps --lr (--rl-sft-lr)."""
+    save_hf_dir: str | None = None
+    """Root of the Hugging Face exports, DIR/iter_N (--save-hf)."""
+    save_hf_interval: int = 0
+    """Export every N steps, and at the end (--save-hf-interval)."""
+    eval_interval: int = 0
+    """Validation reward every N steps; 0: never (--eval-interval)."""
 
 
 def _sft_warmup(ddp, optimizer, task, tokenizer, config: LoopConfig, logger) -> None:
@@ -90,11 +99,30 @@ def _rl_step(ddp, optimizer, generator, source, tokenizer, rollout_config, step_
     torch.cuda.synchronize()
     step_s = time.time() - step_start
     stats.sums["tokens"] = sum(len(r.tokens) for r in rollouts)
+    stats.maxima["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     metrics.update(all_reduce_metrics(stats))
     tokens = metrics.pop("tokens")
     metrics.update({"time/step_s": step_s, "time/generation_s": generation_s,
                     "throughput/tokens_per_s": tokens / step_s})
     return metrics
+
+
+def _due(step: int, interval: int, last: bool) -> bool:
+    return last or bool(interval and step % interval == 0)
+
+
+def _save(step: int, weight_version: int, ddp, optimizer, source, config: LoopConfig,
+          hf_model: HFModel | None) -> None:
+    """The Megatron checkpoint (--save) and the Hugging Face export (--save-hf) due at `step`."""
+    last = step == config.steps
+    if config.save_dir and _due(step, config.save_interval, last):
+        save_checkpoint(config.save_dir, step, ddp, optimizer, {
+            "step": step, "weight_version": weight_version, "source": source.state_dict(),
+        })
+    if config.save_hf_dir and _due(step, config.save_hf_interval, last):
+        if torch.distributed.get_rank() == 0:  # every rank holds the same weights
+            export_hf(ddp, hf_model, os.path.join(config.save_hf_dir, f"iter_{step:07d}"))
+        torch.distributed.barrier()
 
 
 def run_rl(
@@ -110,8 +138,11 @@ def run_rl(
     config: LoopConfig,
     logger: MetricsLogger | None,
     ref_model=None,
+    hf_model: HFModel | None = None,
+    eval_examples: list | None = None,
 ) -> None:
-    """`logger` is None on ranks that do not log."""
+    """`logger` is None on ranks that do not log; `hf_model` is the checkpoint to export like
+    (--save-hf); `eval_examples` the held-out prompts (--rl-eval-dataset)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     source = PromptSource(task, config.seed, rank, world)
     start_step, weight_version = _resume_or_warm_up(ddp, optimizer, source, task, tokenizer,
@@ -122,12 +153,11 @@ def run_rl(
         metrics = _rl_step(ddp, optimizer, generator, source, tokenizer, rollout_config,
                            step_config, step_sampling, weight_version, ref_model)
         weight_version += step_config.updates_per_step
+        if eval_examples and _due(step, config.eval_interval, last=False):
+            metrics.update(all_reduce_metrics(
+                validation_terms(generator, eval_examples, tokenizer, sampling, config.seed)))
         metrics["weight_version"] = weight_version
         metrics["time/eta_s"] = (time.time() - started) / (step - start_step) * (config.steps - step)
         if logger:
             logger.log(step, metrics)
-        last = step == config.steps
-        if config.save_dir and ((config.save_interval and step % config.save_interval == 0) or last):
-            save_checkpoint(config.save_dir, step, ddp, optimizer, {
-                "step": step, "weight_version": weight_version, "source": source.state_dict(),
-            })
+        _save(step, weight_version, ddp, optimizer, source, config, hf_model)

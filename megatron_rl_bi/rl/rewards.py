@@ -7,6 +7,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def score_completion(example, generation, tokenizer) -> tuple[float, bool]:
+    """(reward, verifier_failed) of one generation for `example`: its completion decoded without
+    the end-of-document token, through the example's verifier (`safe_reward`)."""
+    completion = generation.completion_tokens
+    text_tokens = completion[:-1] if generation.stopped_on_eod else completion
+    return safe_reward(example.verify, tokenizer.decode(text_tokens))
+
+
 def safe_reward(verify, completion: str) -> tuple[float, bool]:
     """(reward, verifier_failed). A verifier that raises scores 0 and is counted, never fatal."""
     try:

@@ -14,7 +14,7 @@ from megatron_rl_bi.distributed import MetricTerms
 from megatron_rl_bi.envs import PromptSource
 from megatron_rl_bi.inference import Generation, Generator, Sampling
 from megatron_rl_bi.rl.advantages import group_advantages
-from megatron_rl_bi.rl.rewards import groups_with_signal, overlong_penalty, safe_reward
+from megatron_rl_bi.rl.rewards import groups_with_signal, overlong_penalty, score_completion
 
 
 @dataclass
@@ -70,9 +70,7 @@ def _score_group(example, generations, tokenizer, sampling, config, group_id, we
     rewards."""
     rollouts, task_rewards, failures = [], [], 0
     for generation in generations:
-        completion = generation.completion_tokens
-        text_tokens = completion[:-1] if generation.stopped_on_eod else completion
-        reward, failed = safe_reward(example.verify, tokenizer.decode(text_tokens))
+        reward, failed = score_completion(example, generation, tokenizer)
         failures += failed
         task_rewards.append(reward)
         rollouts.append(Rollout(generation, reward, group_id, weight_version))

@@ -131,10 +131,10 @@ def assert_round_trip(model, hf, out_dir):
         assert os.path.isfile(os.path.join(out_dir, name))
 
 
-@pytest.mark.parametrize("nested", [False, True])
-def test_qwen35_import_matches_transformers_and_round_trips(tmp_path, cpu_megatron, nested):
+@pytest.mark.parametrize("nested,tied", [(False, False), (True, False), (False, True)])
+def test_qwen35_import_matches_transformers_and_round_trips(tmp_path, cpu_megatron, nested, tied):
     mtp = {"mtp.fc.weight": torch.zeros(2, 2)}  # an MTP head: skipped with a note
-    save_qwen35(str(tmp_path / "hf"), nested=nested, extra_tensors=mtp)
+    save_qwen35(str(tmp_path / "hf"), nested=nested, extra_tensors=mtp, tied=tied)
     hf = read_hf_model(str(tmp_path / "hf"))
     model, args = build(hf.path)
     assert args.hybrid_layer_pattern == "G-G-G-*-"

@@ -1,0 +1,50 @@
+"""Every recipe in examples/recipes parses with the flags its header says to add (CPU)."""
+
+import os
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hf_checkpoints import save_qwen3, save_qwen35  # noqa: E402
+
+from megatron_rl_bi.config import parse_rl_args  # noqa: E402
+
+RECIPES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "recipes"
+
+
+@pytest.mark.parametrize("name,save", [("qwen3_math_dapo.yaml", save_qwen3),
+                                       ("qwen35_math_dapo.yaml", save_qwen35)])
+def test_hf_math_recipes(tmp_path, name, save):
+    save(str(tmp_path / "hf"))
+    dataset = tmp_path / "math.jsonl"
+    dataset.write_text('{"prompt": "what is 3 + 4", "answer": "7"}\n')
+    args = parse_rl_args(["--recipe", str(RECIPES / name), "--hf-checkpoint", str(tmp_path / "hf"),
+                          "--rl-dataset", str(dataset), "--rl-eval-dataset", str(dataset),
+                          "--eval-interval", "5", "--save", str(tmp_path / "ckpt"),
+                          "--save-hf", str(tmp_path / "out")])
+    assert (args.grpo_clamp_eps_lower, args.grpo_clamp_eps_upper) == (0.2, 0.28)
+    assert (args.grpo_prompts_per_step, args.grpo_group_size, args.rl_max_new_tokens) == (8, 16, 8192)
+    assert args.lr == 1e-6 and args.rl_loss == "dapo" and args.rl_tokenizer.startswith("hf:")
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("tiny_*.yaml")))
+def test_tiny_recipes(recipe):
+    args = parse_rl_args(["--recipe", str(RECIPES / recipe)])
+    assert args.rl_task == "sort" and args.train_iters == 120
+
+
+def test_hf_flags_that_need_each_other(tmp_path):
+    save_qwen3(str(tmp_path / "hf"))
+    with pytest.raises(ValueError) as info:
+        parse_rl_args(["--save-hf", str(tmp_path / "out"), "--save-hf-interval", "3",
+                       "--eval-interval", "5", "--num-layers", "2", "--hidden-size", "64",
+                       "--num-attention-heads", "4", "--seq-length", "64",
+                       "--max-position-embeddings", "64"])
+    message = str(info.value)
+    assert "--save-hf needs --hf-checkpoint" in message
+    assert "--eval-interval and --rl-eval-dataset go together" in message
+    with pytest.raises(ValueError, match="both give the starting weights"):
+        parse_rl_args(["--hf-checkpoint", str(tmp_path / "hf"), "--pretrained-checkpoint", "x"])

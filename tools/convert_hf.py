@@ -1,0 +1,85 @@
+"""Hugging Face checkpoints <-> Megatron, through the same mapping `--hf-checkpoint` and
+`--save-hf` use (one GPU process; flags are pretrain_rl.py's, the model's from the checkpoint).
+
+  # HF -> a Megatron torch_dist checkpoint, for --pretrained-checkpoint OUT
+  python tools/convert_hf.py import --hf-checkpoint DIR --save OUT --bf16
+  # a pretrain_rl.py checkpoint (--save root or one iter_N) -> HF, shaped like DIR
+  python tools/convert_hf.py export --hf-checkpoint DIR --load RUN/checkpoints --save-hf OUT --bf16
+  # our logits vs transformers' on random tokens, both bf16 (not a bitwise claim: two stacks
+  # of kernels); fails above a relative L2 error of VERIFY_TOLERANCE
+  python tools/convert_hf.py verify --hf-checkpoint DIR --bf16
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_rl_bi import bi  # noqa: E402
+from megatron_rl_bi.checkpoints.hf import export_hf, load_hf_weights, read_hf_model  # noqa: E402
+from megatron_rl_bi.checkpoints.megatron import load_pretrained_weights, save_weights  # noqa: E402
+from megatron_rl_bi.config import parse_rl_args  # noqa: E402
+from megatron_rl_bi.distributed import initialize_distributed  # noqa: E402
+from megatron_rl_bi.models.build import build_model  # noqa: E402
+from megatron_rl_bi.packing import pack_sequences  # noqa: E402
+
+MODES = ("import", "export", "verify")
+VERIFY_TOKENS = (64, 200, 17)  # sequence lengths of the verify batch
+# bf16 activations through two implementations differ by rounding that grows with depth; a wrong
+# mapping gives errors of order 1.
+VERIFY_TOLERANCE = 2e-2
+
+
+def verify(model, hf_path: str, vocab_size: int, tolerance: float) -> dict:
+    """Relative L2 error and top-1 agreement of our logits against transformers' (bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    generator = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in VERIFY_TOKENS]
+    reference = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.bfloat16).cuda().eval()
+    batch = pack_sequences(sequences).to("cuda")
+    with torch.no_grad():
+        ours = model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=None,
+                     packed_seq_params=batch.packed_seq_params())[0][:, :vocab_size].float()
+        theirs = torch.cat([reference(torch.tensor([s], device="cuda")).logits[0] for s in sequences]).float()
+    report = {
+        "relative_l2_error": ((ours - theirs).norm() / theirs.norm()).item(),
+        "max_abs_diff": (ours - theirs).abs().max().item(),
+        "top1_agreement": (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item(),
+        "tolerance": tolerance,
+    }
+    report["passed"] = report["relative_l2_error"] <= tolerance
+    return report
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in MODES:
+        raise SystemExit(f"usage: convert_hf.py {{{','.join(MODES)}}} --hf-checkpoint DIR [flags]")
+    mode, args = sys.argv[1], parse_rl_args(sys.argv[2:])
+    if not args.hf_checkpoint:
+        raise ValueError("convert_hf.py needs --hf-checkpoint DIR (the architecture, and the source "
+                         "of import)")
+    hf = read_hf_model(args.hf_checkpoint)
+    initialize_distributed(args.seed)
+    with bi.batch_invariant(args.batch_invariant_mode):
+        model = build_model(args, hf.vocab_size)
+        if mode == "export":
+            load_pretrained_weights(args.load, model)
+            export_hf(model, hf, args.save_hf)
+        else:
+            load_hf_weights(model, hf)
+        if mode == "import":
+            save_weights(model, args.save)
+        if mode == "verify":
+            report = verify(model, hf.path, hf.vocab_size, VERIFY_TOLERANCE)
+            print(json.dumps(report, indent=2))
+            if not report["passed"]:
+                raise SystemExit(1)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
