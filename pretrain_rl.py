@@ -25,6 +25,7 @@ from megatron_rl_bi.config.from_args import (
 )
 from megatron_rl_bi.distributed import initialize_distributed
 from megatron_rl_bi.envs import build_task
+from megatron_rl_bi.envs.reward_fn import RewardFnTask, load_reward_fn, with_reward_fn
 from megatron_rl_bi.envs.tasks import JsonlTask
 from megatron_rl_bi.envs.tokenizer import build_tokenizer
 from megatron_rl_bi.inference import Generator
@@ -76,10 +77,18 @@ def build_policy(args: argparse.Namespace, tokenizer, hf_model: HFModel | None) 
 def main(argv: list[str] | None = None) -> None:
     args = parse_rl_args(argv)
     tokenizer = build_tokenizer(args.rl_tokenizer, chat_template=not args.rl_no_chat_template)
-    task = build_task(args.rl_task, args.seed, args.rl_dataset)
-    eval_examples = JsonlTask(args.rl_eval_dataset).examples if args.rl_eval_dataset else None
-    hf_model = read_hf_model(args.hf_checkpoint) if args.hf_checkpoint else None
     engine_config = engine_config_from_args(args)
+    task = build_task(args.rl_task, args.seed, args.rl_dataset)
+    eval_task = JsonlTask(args.rl_eval_dataset) if args.rl_eval_dataset else None
+    for dataset in (task, eval_task):
+        if isinstance(dataset, JsonlTask):
+            dataset.check_prompts(tokenizer.encode_prompt, engine_config.max_prompt_tokens)
+    eval_examples = eval_task and eval_task.examples
+    if args.rl_reward_fn:
+        reward_fn = load_reward_fn(args.rl_reward_fn)
+        task = RewardFnTask(task, reward_fn)
+        eval_examples = eval_examples and [with_reward_fn(e, reward_fn) for e in eval_examples]
+    hf_model = read_hf_model(args.hf_checkpoint) if args.hf_checkpoint else None
 
     initialize_distributed(args.seed)
     with bi.batch_invariant(args.batch_invariant_mode):

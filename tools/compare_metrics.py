@@ -1,7 +1,7 @@
-"""Do two metrics JSONL files (pretrain_rl.py --rl-metrics-jsonl) hold the same step records?
-Measurements of the machine (`time/*`, `throughput/*`, `memory/*`) are left out; every other
-value must be equal (==).
-Exit status 1 and one line per difference otherwise.
+"""Does a metrics JSONL (pretrain_rl.py --rl-metrics-jsonl) reproduce a reference's step records?
+Every value of the reference must be there and equal (==), except measurements of the machine
+(`time/*`, `throughput/*`, `memory/*`); metrics the reference does not have (added since) are
+listed, not compared. Exit status 1 and one line per difference otherwise.
 
   python tools/compare_metrics.py results/rl_tiny_h200.jsonl runs/tiny_sort/metrics.jsonl
 """
@@ -22,13 +22,16 @@ def differences(expected: dict[int, dict], actual: dict[int, dict]) -> list[str]
     if sorted(expected) != sorted(actual):
         found.append(f"steps differ: {sorted(set(expected) ^ set(actual))[:10]} in one file only")
     for step in sorted(set(expected) & set(actual)):
-        keys = {k for k in expected[step].keys() | actual[step].keys()
-                if not k.startswith(TIMING_PREFIXES)}
-        for key in sorted(keys):
-            a, b = expected[step].get(key, "<missing>"), actual[step].get(key, "<missing>")
+        for key in sorted(k for k in expected[step] if not k.startswith(TIMING_PREFIXES)):
+            a, b = expected[step][key], actual[step].get(key, "<missing>")
             if a != b:
                 found.append(f"step {step} {key}: {a!r} != {b!r}")
     return found
+
+
+def added_metrics(expected: dict[int, dict], actual: dict[int, dict]) -> list[str]:
+    return sorted({k for record in actual.values() for k in record}
+                  - {k for record in expected.values() for k in record})
 
 
 def main() -> None:
@@ -36,8 +39,11 @@ def main() -> None:
     parser.add_argument("expected", help="reference metrics JSONL")
     parser.add_argument("actual", help="metrics JSONL to check")
     args = parser.parse_args()
-    found = differences(read_step_records(args.expected), read_step_records(args.actual))
-    print("\n".join(found) if found else f"identical step records (timings aside): {args.actual}")
+    expected, actual = read_step_records(args.expected), read_step_records(args.actual)
+    found = differences(expected, actual)
+    print("\n".join(found) if found else f"every reference value reproduced: {args.actual}")
+    if added := added_metrics(expected, actual):
+        print(f"metrics not in the reference (not compared): {added}")
     sys.exit(1 if found else 0)
 
 

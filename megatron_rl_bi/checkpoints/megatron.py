@@ -3,9 +3,11 @@
 Layout under --save:
   iter_0000012/              megatron-core dist_checkpointing (model, optimizer), rl_state.pt
   latest_checkpointed_iteration.txt
-Written atomically: everything goes to `iter_0000012.tmp/`, which is renamed only when complete,
-and the `latest` file is replaced with os.replace afterwards. A crash mid-save leaves the previous
-checkpoint as `latest`; stale `.tmp` directories are removed by the next save.
+Written atomically: everything goes to `iter_0000012.tmp/`, which is fsynced and renamed only
+when complete (an existing `iter_0000012/` is set aside as `.old` and deleted only after), then
+the `latest` file is replaced with os.replace. A crash mid-save leaves the previous checkpoint as
+`latest`; the next save removes stale `.tmp` directories. `keep_last` (--rl-keep-last-k) bounds
+how many checkpoints stay. Every read error names the file or directory.
 
 RL state: step, weight version, the prompt source position, and the RNG states (Python, torch
 CPU/CUDA, Megatron's CUDA RNG tracker). Per-step sampling seeds derive from the step, so a
@@ -14,6 +16,7 @@ resumed run repeats the uninterrupted one.
 
 import os
 import random
+import re
 import shutil
 
 import torch
@@ -22,6 +25,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
 
 LATEST = "latest_checkpointed_iteration.txt"
+RL_STATE = "rl_state.pt"
 
 
 def _dir_name(step: int) -> str:
@@ -46,31 +50,87 @@ def _rng_state() -> dict:
     }
 
 
-def save_checkpoint(save_dir: str, step: int, ddp, optimizer, rl_state: dict) -> str:
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    """Every file and directory under `root`, then `root`'s parent: on disk before publishing."""
+    for directory, _, files in os.walk(root):
+        for name in files:
+            _fsync(os.path.join(directory, name))
+        _fsync(directory)
+    _fsync(os.path.dirname(os.path.abspath(root)))
+
+
+def _publish(tmp: str, final: str) -> None:
+    """`tmp` (complete, on disk) becomes `final`; an older `final` is set aside as `final.old`
+    and deleted only once the new one is in place."""
+    old = final + ".old"
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync(os.path.dirname(final))
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_latest(save_dir: str, step: int) -> None:
+    latest_tmp = os.path.join(save_dir, LATEST + ".tmp")
+    with open(latest_tmp, "w") as f:
+        f.write(f"{step}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(latest_tmp, os.path.join(save_dir, LATEST))
+    _fsync(save_dir)
+
+
+def _tidy(save_dir: str) -> None:
+    """Before a save: partial `.tmp` directories go; an `.old` copy left by a crash between the
+    two renames of `_publish` is the complete checkpoint and goes back in place."""
+    for name in os.listdir(save_dir):
+        path = os.path.join(save_dir, name)
+        if name.endswith(".tmp") and os.path.isdir(path):
+            shutil.rmtree(path)
+        elif name.endswith(".old"):
+            final = path.removesuffix(".old")
+            shutil.rmtree(path) if os.path.exists(final) else os.replace(path, final)
+
+
+def _prune(save_dir: str, keep_last: int, current: str) -> None:
+    """Keeps the `keep_last` newest checkpoints (0: all); never the one just written."""
+    steps = sorted(int(n[5:]) for n in os.listdir(save_dir) if re.fullmatch(r"iter_\d{7}", n))
+    for step in steps[:-keep_last] if keep_last else []:
+        path = os.path.join(save_dir, _dir_name(step))
+        if path != current:
+            shutil.rmtree(path)
+
+
+def save_checkpoint(save_dir: str, step: int, ddp, optimizer, rl_state: dict,
+                    keep_last: int = 0) -> str:
+    """Model, optimizer and RL state under `save_dir/iter_N`, published only when complete and
+    on disk; then `latest` names it and checkpoints beyond the newest `keep_last` go."""
     rank = torch.distributed.get_rank()
     final = os.path.join(save_dir, _dir_name(step))
     tmp = final + ".tmp"
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
-        for name in os.listdir(save_dir):
-            if name.endswith(".tmp"):
-                shutil.rmtree(os.path.join(save_dir, name))
+        _tidy(save_dir)
         os.makedirs(tmp)
     torch.distributed.barrier()
     dist_checkpointing.save(_sharded_state_dict(ddp, optimizer, is_loading=False), tmp)
     rank_states = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(rank_states, {**rl_state, "rng": _rng_state()})
+    torch.distributed.barrier()  # every rank's shards are written
     if rank == 0:
-        torch.save({"step": step, "ranks": rank_states}, os.path.join(tmp, "rl_state.pt"))
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        latest_tmp = os.path.join(save_dir, LATEST + ".tmp")
-        with open(latest_tmp, "w") as f:
-            f.write(f"{step}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(latest_tmp, os.path.join(save_dir, LATEST))
+        torch.save({"step": step, "ranks": rank_states}, os.path.join(tmp, RL_STATE))
+        _fsync_tree(tmp)
+        _publish(tmp, final)
+        _write_latest(save_dir, step)
+        _prune(save_dir, keep_last, final)
     torch.distributed.barrier()
     return final
 
@@ -86,29 +146,50 @@ def latest_step(load_dir: str) -> int | None:
     return int(text)
 
 
+def _checkpoint_path(load_dir: str, step: int) -> str:
+    path = os.path.join(load_dir, _dir_name(step))
+    if os.path.isdir(path):
+        return path
+    if os.path.isdir(path + ".old"):  # a crash between the two renames of `_publish`
+        return path + ".old"
+    raise ValueError(f"{os.path.join(load_dir, LATEST)} names step {step}, but {path} is missing")
+
+
+def read_rl_state(path: str) -> list[dict]:
+    """Every rank's RL state from checkpoint directory `path` (tensors and plain Python values
+    only: nothing is unpickled)."""
+    file = os.path.join(path, RL_STATE)
+    try:
+        return torch.load(file, weights_only=True)["ranks"]
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is named, whatever failed
+        raise ValueError(f"{file}: cannot read the RL state ({type(exc).__name__}: {exc})") from exc
+
+
 def load_checkpoint(load_dir: str, ddp, optimizer, load_optimizer: bool = True) -> dict | None:
     """Restores model (and optimizer) and this rank's RNG; returns this rank's RL state, or
     None when `load_dir` has no checkpoint yet."""
     step = latest_step(load_dir)
     if step is None:
         return None
-    path = os.path.join(load_dir, _dir_name(step))
-    sharded = _sharded_state_dict(ddp, optimizer, is_loading=True)
-    if not load_optimizer:
-        sharded.pop("optimizer")
-    state = dist_checkpointing.load(sharded, path)
-    unwrap_model(ddp).load_state_dict(state["model"])
-    if load_optimizer:
-        optimizer.load_state_dict(state["optimizer"])
-    rl = torch.load(os.path.join(path, "rl_state.pt"), weights_only=False)
-    ranks = rl["ranks"]
-    rank = torch.distributed.get_rank()
+    path = _checkpoint_path(load_dir, step)
+    ranks = read_rl_state(path)
     if len(ranks) != torch.distributed.get_world_size():
         raise ValueError(
             f"{path} was written by {len(ranks)} data-parallel ranks; resuming needs the same "
             f"number (got {torch.distributed.get_world_size()})"
         )
-    mine = ranks[rank]
+    sharded = _sharded_state_dict(ddp, optimizer, is_loading=True)
+    if not load_optimizer:
+        sharded.pop("optimizer")
+    try:
+        state = dist_checkpointing.load(sharded, path)
+    except Exception as exc:  # noqa: BLE001 - name the checkpoint whatever the reader raised
+        raise ValueError(f"{path}: cannot read the model/optimizer checkpoint "
+                         f"({type(exc).__name__}: {exc})") from exc
+    unwrap_model(ddp).load_state_dict(state["model"])
+    if load_optimizer:
+        optimizer.load_state_dict(state["optimizer"])
+    mine = ranks[torch.distributed.get_rank()]
     rng = mine.pop("rng")
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])

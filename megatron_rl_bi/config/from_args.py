@@ -72,6 +72,7 @@ def loop_config_from_args(args: argparse.Namespace) -> LoopConfig:
         seed=args.seed,
         save_dir=args.save,
         save_interval=args.save_interval or 0,
+        keep_last=args.rl_keep_last_k,
         load_dir=args.load,
         load_optimizer=not args.no_load_optim,
         sft_warmup_steps=args.rl_sft_warmup_steps,

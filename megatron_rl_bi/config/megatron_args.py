@@ -102,7 +102,9 @@ def validate_batch_invariance(args: argparse.Namespace, batch_invariant: bool | 
 def _provider(extra_args_provider):
     def provider(parser):
         parser = add_defaults(parser)
-        return extra_args_provider(parser) if extra_args_provider else parser
+        parser = extra_args_provider(parser) if extra_args_provider else parser
+        compat.escape_help_percent_signs(parser)
+        return parser
 
     return provider
 

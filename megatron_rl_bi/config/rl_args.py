@@ -7,6 +7,7 @@ with '_' or '-') < the command line; a model flag that contradicts the checkpoin
 """
 
 import argparse
+import os
 import sys
 
 import yaml
@@ -53,6 +54,9 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="average the loss over tokens (DAPO) or per completion (GRPO)")
     group.add_argument("--rl-task", default="sort", help="sort, countdown or jsonl")
     group.add_argument("--rl-dataset", default=None, help="JSONL file for --rl-task jsonl")
+    group.add_argument("--rl-reward-fn", default=None, metavar="MODULE:FUNCTION",
+                       help="score completions with this callable (prompt, completion, example) "
+                       "-> float instead of the task's verifier (MODULE importable, or FILE.py)")
     group.add_argument("--rl-eval-dataset", default=None,
                        help="held-out JSONL ({prompt, answer} lines, math verifier) scored every "
                        "--eval-interval steps as validation_reward/mean")
@@ -79,6 +83,8 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--rl-sft-lr", type=float, default=None,
                        help="learning rate of the warm-up (default: --lr)")
     group.add_argument("--rl-metrics-jsonl", default=None, help="per-step metrics file")
+    group.add_argument("--rl-keep-last-k", type=int, default=0,
+                       help="keep only the newest K checkpoints under --save (0: all)")
     return parser
 
 
@@ -168,6 +174,11 @@ def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
                       "in a separate run and pass its checkpoint")
     if args.save_interval and not args.save:
         errors.append("--save-interval needs --save DIR")
+    if args.load and not os.path.isdir(args.load):
+        errors.append(f"--load {args.load}: no such directory (an existing empty directory starts "
+                      "a fresh run)")
+    if args.rl_keep_last_k < 0:
+        errors.append("--rl-keep-last-k must be >= 0")
     if bool(args.eval_interval) != bool(args.rl_eval_dataset):
         errors.append("--eval-interval and --rl-eval-dataset go together")
     if args.rl_default_top_k > 0 and args.rl_default_top_p > 0:

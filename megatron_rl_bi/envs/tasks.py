@@ -66,18 +66,33 @@ class JsonlTask:
     Every line is checked when the file is opened: a bad line fails with FILE:LINE."""
 
     def __init__(self, path: str):
-        self.examples = []
+        self.path, self.examples, self.line_numbers = path, [], []
         with open(path, encoding="utf-8") as f:
             for line_number, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
                 self.examples.append(_parse_line(path, line_number, line))
+                self.line_numbers.append(line_number)
         if not self.examples:
             raise ValueError(f"{path}: no examples")
         self.size = len(self.examples)
 
     def example(self, index: int) -> Example:
         return self.examples[index]
+
+    def check_prompts(self, encode_prompt, max_tokens: int) -> None:
+        """Every prompt encodes (`encode_prompt`, as the rollouts encode it) to at most
+        `max_tokens` tokens; otherwise one error naming FILE:LINE, before any GPU work."""
+        for line_number, example in zip(self.line_numbers, self.examples):
+            where = f"{self.path}:{line_number}"
+            try:
+                length = len(encode_prompt(example.prompt))
+            except ValueError as exc:
+                raise ValueError(f"{where}: the prompt cannot be tokenized ({exc})") from None
+            if length > max_tokens:
+                raise ValueError(f"{where}: the prompt is {length} tokens; the engine takes at most "
+                                 f"{max_tokens} (raise --inference-max-seq-length and "
+                                 "--inference-dynamic-batching-max-tokens)")
 
 
 def _parse_line(path: str, line_number: int, line: str) -> Example:

@@ -47,6 +47,11 @@ class EngineConfig:
     prompt_logprobs: bool = False
     """Also report logprobs of prompt tokens 2..P (costs logits for every prompt token)."""
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """A prompt must fit one engine step (no chunked prefill) and leave room for a token."""
+        return min(self.max_tokens, self.max_sequence_length - 1)
+
 
 @dataclass(kw_only=True)
 class Sampling:
@@ -71,6 +76,7 @@ class Generation:
     completion_logprobs: list[float]  # [C]: the engine's logprob of each completion token
     prompt_logprobs: list[float] | None = None  # [P - 1] for tokens 2..P, None if not requested
     stopped_on_eod: bool = False
+    max_new_tokens: int | None = None  # the budget the engine ran with (clamped to the context)
 
     @property
     def tokens(self) -> list[int]:
@@ -137,6 +143,17 @@ class Generator:
         self.engine = DynamicInferenceEngine(controller, context)
         InferenceMode.unset_active()
 
+    def check_prompt_lengths(self, lengths: list[int]) -> None:
+        limit = self.config.max_prompt_tokens
+        too_long = [i for i, n in enumerate(lengths) if n > limit]
+        if too_long:
+            raise ValueError(
+                f"prompts {too_long[:5]} ({[lengths[i] for i in too_long[:5]]} tokens) are longer "
+                f"than the engine allows ({limit}: --inference-dynamic-batching-max-tokens "
+                f"{self.config.max_tokens}, --inference-max-seq-length "
+                f"{self.config.max_sequence_length} less one generated token)"
+            )
+
     @torch.no_grad()
     def generate(
         self,
@@ -145,17 +162,15 @@ class Generator:
         max_new_tokens: list[int] | None = None,
     ) -> list[Generation]:
         """Runs every prompt to completion; results in prompt order. `max_new_tokens` overrides
-        `sampling.max_new_tokens` per prompt."""
+        `sampling.max_new_tokens` per prompt; each budget is clamped, as the engine would, to
+        what the prompt leaves of `max_sequence_length`, and reported in the Generation."""
         if max_new_tokens is None:
             max_new_tokens = [sampling.max_new_tokens] * len(prompts)
         if len(max_new_tokens) != len(prompts):
             raise ValueError(f"{len(max_new_tokens)} max_new_tokens for {len(prompts)} prompts")
-        too_long = [i for i, p in enumerate(prompts) if len(p) > self.config.max_tokens]
-        if too_long:
-            raise ValueError(
-                f"prompts {too_long[:5]} are longer than the engine's max_tokens "
-                f"({self.config.max_tokens}); raise --inference-dynamic-batching-max-tokens"
-            )
+        self.check_prompt_lengths([len(p) for p in prompts])
+        max_new_tokens = [min(n, self.config.max_sequence_length - len(p))
+                          for n, p in zip(max_new_tokens, prompts)]
         params = [
             SamplingParams(
                 temperature=sampling.temperature,
@@ -187,9 +202,10 @@ class Generator:
         finally:
             InferenceMode.unset_active()
             self.model.train(was_training)
-        return [self._to_generation(record, sampling) for record in records]
+        return [self._to_generation(record, sampling, budget)
+                for record, budget in zip(records, max_new_tokens)]
 
-    def _to_generation(self, request, sampling: Sampling) -> Generation:
+    def _to_generation(self, request, sampling: Sampling, max_new_tokens: int) -> Generation:
         if request.status != Status.COMPLETED:
             raise RuntimeError(f"engine request {request.request_id} ended {request.status}")
         completion = list(request.generated_tokens)
@@ -200,4 +216,5 @@ class Generator:
             completion_logprobs=list(request.generated_log_probs),
             prompt_logprobs=prompt_logprobs,
             stopped_on_eod=sampling.eod_id is not None and completion[-1:] == [sampling.eod_id],
+            max_new_tokens=max_new_tokens,
         )

@@ -39,6 +39,8 @@ class LoopConfig:
     """Checkpoint root (--save)."""
     save_interval: int = 0
     """Save every N steps, and at the end (--save-interval)."""
+    keep_last: int = 0
+    """Checkpoints kept under save_dir, newest first; 0: all (--rl-keep-last-k)."""
     load_dir: str | None = None
     """Resume from the latest checkpoint under this root (--load)."""
     load_optimizer: bool = True
@@ -78,6 +80,8 @@ def _resume_or_warm_up(ddp, optimizer, source, task, tokenizer, config, logger) 
     the SFT warm-up."""
     state = load_checkpoint(config.load_dir, ddp, optimizer, config.load_optimizer) if config.load_dir else None
     if state is None:
+        if config.load_dir and logger:
+            print(f"--load {config.load_dir}: no checkpoint there yet; starting a fresh run", flush=True)
         if config.sft_warmup_steps:
             _sft_warmup(ddp, optimizer, task, tokenizer, config, logger)
         return 0, 0
@@ -118,7 +122,7 @@ def _save(step: int, weight_version: int, ddp, optimizer, source, config: LoopCo
     if config.save_dir and _due(step, config.save_interval, last):
         save_checkpoint(config.save_dir, step, ddp, optimizer, {
             "step": step, "weight_version": weight_version, "source": source.state_dict(),
-        })
+        }, keep_last=config.keep_last)
     if config.save_hf_dir and _due(step, config.save_hf_interval, last):
         if torch.distributed.get_rank() == 0:  # every rank holds the same weights
             export_hf(ddp, hf_model, os.path.join(config.save_hf_dir, f"iter_{step:07d}"))
@@ -152,7 +156,7 @@ def run_rl(
         step_sampling = dataclasses.replace(sampling, seed=sampling.seed + 1_000_003 * step + rank)
         metrics = _rl_step(ddp, optimizer, generator, source, tokenizer, rollout_config,
                            step_config, step_sampling, weight_version, ref_model)
-        weight_version += step_config.updates_per_step
+        weight_version += metrics["optimizer_steps"]
         if eval_examples and _due(step, config.eval_interval, last=False):
             metrics.update(all_reduce_metrics(
                 validation_terms(generator, eval_examples, tokenizer, sampling, config.seed)))

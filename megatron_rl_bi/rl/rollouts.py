@@ -6,6 +6,7 @@ groups whose rewards differ and draws new prompts until the step has enough grou
 """
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,13 @@ from megatron_rl_bi.distributed import MetricTerms
 from megatron_rl_bi.envs import PromptSource
 from megatron_rl_bi.inference import Generation, Generator, Sampling
 from megatron_rl_bi.rl.advantages import group_advantages
-from megatron_rl_bi.rl.rewards import groups_with_signal, overlong_penalty, score_completion
+from megatron_rl_bi.rl.rewards import (
+    NONFINITE,
+    RAISED,
+    groups_with_signal,
+    overlong_penalty,
+    score_completion,
+)
 
 
 @dataclass
@@ -66,22 +73,23 @@ class RolloutConfig:
 
 
 def _score_group(example, generations, tokenizer, sampling, config, group_id, weight_version):
-    """One prompt's rollouts with rewards (task reward + overlong shaping), and the raw task
-    rewards."""
-    rollouts, task_rewards, failures = [], [], 0
+    """One prompt's rollouts with rewards (task reward + overlong shaping over the budget each
+    request ran with), their raw task rewards, and the problems counted (verifier raised,
+    non-finite reward)."""
+    rollouts, task_rewards, problems = [], [], Counter()
     for generation in generations:
-        reward, failed = score_completion(example, generation, tokenizer)
-        failures += failed
+        reward, problem = score_completion(example, generation, tokenizer)
+        problems[problem] += 1
         task_rewards.append(reward)
         rollouts.append(Rollout(generation, reward, group_id, weight_version))
     if config.overlong_buffer:
         lengths = torch.tensor([len(r.completion_tokens) for r in rollouts])
-        shaping = overlong_penalty(
-            lengths, sampling.max_new_tokens, config.overlong_buffer, config.overlong_penalty
-        )
+        budgets = torch.tensor([sampling.max_new_tokens if g.max_new_tokens is None
+                                else g.max_new_tokens for g in generations])
+        shaping = overlong_penalty(lengths, budgets, config.overlong_buffer, config.overlong_penalty)
         for rollout, penalty in zip(rollouts, shaping.tolist()):
             rollout.reward += penalty
-    return rollouts, task_rewards, failures
+    return rollouts, task_rewards, problems
 
 
 def collect_rollouts(
@@ -93,7 +101,7 @@ def collect_rollouts(
     weight_version: int,
 ) -> tuple[list[list[Rollout]], MetricTerms]:
     """Groups of `group_size` rollouts with advantages set, and this rank's rollout statistics."""
-    groups, task_rewards, failures, dropped, rounds = [], [], 0, 0, 0
+    groups, task_rewards, problems, dropped, rounds = [], [], Counter(), 0, 0
     while len(groups) < config.prompts_per_step and rounds < config.max_rounds:
         examples = source.take(config.prompts_per_step - len(groups))
         prompts = [tokenizer.encode_prompt(e.prompt) for e in examples for _ in range(config.group_size)]
@@ -101,16 +109,17 @@ def collect_rollouts(
         generations = generator.generate(prompts, round_sampling)
         for i, example in enumerate(examples):
             span = slice(i * config.group_size, (i + 1) * config.group_size)
-            group, rewards_of_group, failed = _score_group(
+            group, rewards_of_group, group_problems = _score_group(
                 example, generations[span], tokenizer, sampling, config,
                 len(groups), weight_version,
             )
-            failures += failed
+            problems += group_problems
             task_rewards += rewards_of_group
-            rewards = torch.tensor([[r.reward for r in group]])
-            if config.dynamic_sampling and not groups_with_signal(rewards)[0]:
+            # DAPO filters on task accuracy: shaping alone does not make a group informative.
+            if config.dynamic_sampling and not groups_with_signal(torch.tensor([rewards_of_group]))[0]:
                 dropped += 1
                 continue
+            rewards = torch.tensor([[r.reward for r in group]])
             for rollout, advantage in zip(group, group_advantages(rewards, config.normalize_std)[0]):
                 rollout.advantage = advantage.item()
             groups.append(group)
@@ -120,7 +129,9 @@ def collect_rollouts(
     trained = [r for group in groups for r in group]
     stats = MetricTerms(
         sums={"rollouts/groups": len(groups), "rollouts/groups_dropped": dropped,
-              "rollouts/generated": len(task_rewards), "rollouts/verifier_failures": failures},
+              "rollouts/generated": len(task_rewards),
+              "rollouts/verifier_failures": problems[RAISED],
+              "rollouts/nonfinite_rewards": problems[NONFINITE]},
         means={
             "rollouts/rounds": (rounds, 1),
             "rollouts/truncated_fraction": (sum(r.truncated for r in trained), len(trained)),

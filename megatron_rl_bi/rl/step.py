@@ -123,21 +123,22 @@ def train_on_rollouts(
     config: StepConfig,
     ref_model: torch.nn.Module | None = None,
 ) -> dict[str, float]:
-    """Updates the model; returns global metrics (parity, loss, clip, grad norm...)."""
+    """Updates the model; returns global metrics (parity, loss, clip, grad norm, the optimizer
+    steps taken, the fraction of mini-batches skipped for having no completion token on any
+    rank: e.g. dynamic sampling kept no group, or fewer rollouts than --grpo-iterations)."""
     num_updates = config.updates_per_step
     minibatches = [rollouts[i::num_updates] for i in range(num_updates)]
     counts = _global_counts(minibatches)
     compared = _Compared()
-    if (counts[:, 0] == 0).all():
-        # e.g. dynamic sampling kept no group on any rank: nothing to learn from this step.
-        return {"update_skipped": 1.0, **all_reduce_metrics(compared.terms())}
-    if (counts[:, 0] == 0).any():
-        raise ValueError("a mini-batch has no completion tokens: fewer rollouts than --grpo-iterations")
+    if (counts[:, 0] == 0).all():  # nothing to learn from this step
+        return {"update_skipped": 1.0, "optimizer_steps": 0, **all_reduce_metrics(compared.terms())}
     ddp.train()
     old = _old_logprobs(ddp, rollouts, config.micro_batch_tokens, compared) if num_updates > 1 else None
     no_tis = dataclasses.replace(config.loss, tis_cap=None) if config.loss.tis_cap is not None else None
-    loss_terms, grad_norm = MetricTerms(), 0.0
+    loss_terms, grad_norm, steps = MetricTerms(), 0.0, 0
     for update, minibatch in enumerate(minibatches):
+        if counts[update, 0] == 0:
+            continue
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         for micro in micro_batches(minibatch, config.micro_batch_tokens):
@@ -148,5 +149,7 @@ def train_on_rollouts(
         ddp.finish_grad_sync()
         _, norm, _ = optimizer.step()
         grad_norm += (norm or 0.0) / num_updates
+        steps += 1
     result = all_reduce_metrics(loss_terms.update(compared.terms()))
-    return {**result, "grad_norm": grad_norm, "update_skipped": 0.0}
+    return {**result, "grad_norm": grad_norm, "update_skipped": 1.0 - steps / num_updates,
+            "optimizer_steps": steps}

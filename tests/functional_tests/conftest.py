@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_RECIPE = os.path.join(REPO, "examples", "recipes", "tiny_sort.yaml")
@@ -9,6 +10,10 @@ QUICK = ["--rl-sft-warmup-steps", "20", "--grpo-prompts-per-step", "4", "--save-
 
 
 def run_pretrain_rl(*flags: str, nproc: int = 1) -> None:
+    """pretrain_rl.py with the tiny recipe; checkpoints go to a temporary directory unless the
+    flags name one (never into the recipe's runs/ directory, which is the user's)."""
+    if "--save" not in flags:
+        flags = (*flags, "--save", tempfile.mkdtemp(prefix="megatron_rl_bi_test_"))
     if nproc == 1:
         command = [sys.executable, os.path.join(REPO, "pretrain_rl.py")]
     else:

@@ -1,5 +1,7 @@
-"""Checkpoint atomicity on CPU (single-process gloo group): a save that crashes half way leaves the
-previous checkpoint as `latest`, and the next save cleans the partial directory up. The sharded
+"""Checkpoint safety on CPU (single-process gloo group): a save that crashes half way leaves the
+previous checkpoint as `latest`, and the next save cleans the partial directory up; re-saving an
+existing iteration never removes the complete copy before the new one is in place; retention;
+read errors name the path; the RL state loads without unpickling objects. The sharded
 model/optimizer state is replaced by a small stand-in; the writing protocol is the real one."""
 
 import os
@@ -31,8 +33,8 @@ def test_save_then_crash_keeps_previous_latest(tmp_path, gloo_group, fake_state,
     checkpoint.save_checkpoint(root, 5, None, None, {"step": 5, "source": {"position": 40}})
     assert checkpoint.latest_step(root) == 5
     assert sorted(os.listdir(root)) == ["iter_0000005", checkpoint.LATEST]
-    rl_state = torch.load(os.path.join(root, "iter_0000005", "rl_state.pt"), weights_only=False)
-    assert rl_state["step"] == 5 and rl_state["ranks"][0]["source"] == {"position": 40}
+    ranks = checkpoint.read_rl_state(os.path.join(root, "iter_0000005"))  # weights_only
+    assert ranks[0]["source"] == {"position": 40} and ranks[0]["rng"] == {"python": 1}
 
     def crash(state, directory):
         open(os.path.join(directory, "half-written"), "w").close()
@@ -56,3 +58,67 @@ def test_latest_step_errors_name_the_file(tmp_path):
     (tmp_path / checkpoint.LATEST).write_text("garbage")
     with pytest.raises(ValueError, match="latest_checkpointed_iteration.txt: expected a step"):
         checkpoint.latest_step(str(tmp_path))
+
+
+def _crash(state, directory):
+    open(os.path.join(directory, "half-written"), "w").close()
+    raise OSError("disk full")
+
+
+def test_resaving_an_iteration_keeps_the_complete_copy_until_replaced(tmp_path, gloo_group,
+                                                                      fake_state, monkeypatch):
+    root = str(tmp_path)
+    checkpoint.save_checkpoint(root, 5, None, None, {"source": {"position": 1}})
+    monkeypatch.setattr(checkpoint.dist_checkpointing, "save", _crash)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save_checkpoint(root, 5, None, None, {"source": {"position": 2}})
+    ranks = checkpoint.read_rl_state(os.path.join(root, "iter_0000005"))
+    assert ranks[0]["source"] == {"position": 1}  # the good copy is untouched
+
+
+def test_a_crash_between_the_two_renames_loses_nothing(tmp_path, gloo_group, fake_state):
+    root = str(tmp_path)
+    checkpoint.save_checkpoint(root, 5, None, None, {"source": {"position": 1}})
+    # state after `iter_5 -> iter_5.old` and before `iter_5.tmp -> iter_5`
+    os.replace(os.path.join(root, "iter_0000005"), os.path.join(root, "iter_0000005.old"))
+    assert checkpoint._checkpoint_path(root, 5).endswith("iter_0000005.old")
+    checkpoint.save_checkpoint(root, 6, None, None, {"source": {"position": 2}})
+    assert sorted(os.listdir(root)) == ["iter_0000005", "iter_0000006", checkpoint.LATEST]
+
+
+def test_keep_last_k(tmp_path, gloo_group, fake_state):
+    root = str(tmp_path)
+    for step in (1, 2, 3, 4):
+        checkpoint.save_checkpoint(root, step, None, None, {}, keep_last=2)
+    assert sorted(os.listdir(root)) == ["iter_0000003", "iter_0000004", checkpoint.LATEST]
+
+
+def test_read_errors_name_the_path(tmp_path):
+    (tmp_path / checkpoint.LATEST).write_text("7")
+    with pytest.raises(ValueError, match="names step 7, but .*iter_0000007 is missing"):
+        checkpoint._checkpoint_path(str(tmp_path), 7)
+    (tmp_path / "iter_0000007").mkdir()
+    (tmp_path / "iter_0000007" / checkpoint.RL_STATE).write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match=r"iter_0000007/rl_state.pt: cannot read the RL state"):
+        checkpoint.read_rl_state(str(tmp_path / "iter_0000007"))
+
+
+class _Arbitrary:
+    pass
+
+
+def test_rl_state_with_arbitrary_objects_is_refused(tmp_path):
+    torch.save({"step": 1, "ranks": [{"evil": _Arbitrary()}]}, tmp_path / checkpoint.RL_STATE)
+    with pytest.raises(ValueError, match="cannot read the RL state"):
+        checkpoint.read_rl_state(str(tmp_path))
+
+
+def test_python_and_torch_rng_states_load_without_pickle(tmp_path):
+    import random
+
+    state = {"step": 1, "ranks": [{"rng": {"python": random.getstate(),
+                                           "torch": torch.get_rng_state()}}]}
+    torch.save(state, tmp_path / checkpoint.RL_STATE)
+    rng = checkpoint.read_rl_state(str(tmp_path))[0]["rng"]
+    random.setstate(rng["python"])
+    assert torch.equal(rng["torch"], torch.get_rng_state())

@@ -118,3 +118,17 @@ def test_char_tokenizer_round_trip_and_errors():
         tok.encode("é")
     with pytest.raises(ValueError, match="--rl-tokenizer bpe"):
         build_tokenizer("bpe")
+
+
+def test_jsonl_prompts_are_checked_before_any_gpu_work(tmp_path):
+    from megatron_rl_bi.envs.tasks import JsonlTask
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1 + 1", "answer": "2"}\n\n{"prompt": "caf\\u00e9", "answer": "x"}\n')
+    task = JsonlTask(str(path))
+    with pytest.raises(ValueError, match=r"d.jsonl:3: the prompt cannot be tokenized"):
+        task.check_prompts(CharTokenizer().encode_prompt, max_tokens=100)
+    path.write_text('{"prompt": "1 + 1 = ?", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:1: the prompt is 9 tokens; the engine takes at most 8"):
+        JsonlTask(str(path)).check_prompts(CharTokenizer().encode_prompt, max_tokens=8)
+    JsonlTask(str(path)).check_prompts(CharTokenizer().encode_prompt, max_tokens=9)

@@ -44,5 +44,5 @@ def test_compare_metrics_ignores_timings_only():
         "step 2 loss: 0.25 != 0.2500001"]
     assert compare.differences(expected, {1: {"loss": 0.5}}) == [
         "steps differ: [2] in one file only"]
-    assert compare.differences({1: {"a": 1}}, {1: {"b": 1}}) == [
-        "step 1 a: 1 != '<missing>'", "step 1 b: '<missing>' != 1"]
+    assert compare.differences({1: {"a": 1}}, {1: {"b": 1}}) == ["step 1 a: 1 != '<missing>'"]
+    assert compare.added_metrics({1: {"a": 1}}, {1: {"a": 1, "b": 2}}) == ["b"]

@@ -86,3 +86,11 @@ def test_pretrained_checkpoint_resolution(tmp_path):
         resolve_checkpoint_dir(str(tmp_path))
     with pytest.raises(ValueError, match="neither a dist checkpoint"):
         resolve_checkpoint_dir(str(tmp_path / "nowhere"))
+
+
+def test_load_directory_must_exist(tmp_path):
+    with pytest.raises(ValueError, match="--load .*typo: no such directory"):
+        parse_rl_args(MODEL + ["--load", str(tmp_path / "typo")])
+    assert parse_rl_args(MODEL + ["--load", str(tmp_path)]).load == str(tmp_path)  # a fresh run
+    with pytest.raises(ValueError, match="--rl-keep-last-k must be >= 0"):
+        parse_rl_args(MODEL + ["--rl-keep-last-k", "-1"])

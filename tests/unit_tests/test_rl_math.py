@@ -32,18 +32,31 @@ def test_overlong_penalty_docstring_values():
         overlong_penalty(lengths, 20, 0)
 
 
+def test_overlong_penalty_per_budget():
+    # budgets the engine ran with: 20 (buffer 4), and 6 (clamped: buffer 4 still fits), and 2
+    # (shorter than the buffer: shaping over the whole budget)
+    lengths = torch.tensor([18, 5, 1])
+    assert overlong_penalty(lengths, torch.tensor([20, 6, 2]), 4).tolist() == [-0.5, -0.75, -0.5]
+
+
 def test_groups_with_signal():
     rewards = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
     assert groups_with_signal(rewards).tolist() == [False, True, False]
 
 
 def test_safe_reward_counts_a_crashing_verifier():
-    assert safe_reward(lambda c: 1.0 if c == "ok" else 0.0, "ok") == (1.0, False)
+    assert safe_reward(lambda c: 1.0 if c == "ok" else 0.0, "ok") == (1.0, None)
 
     def broken(completion):
         raise KeyError("bug")
 
-    assert safe_reward(broken, "ok") == (0.0, True)
+    assert safe_reward(broken, "ok") == (0.0, "raised")
+    assert safe_reward(lambda c: None, "ok") == (0.0, "raised")  # not a number
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_safe_reward_zeroes_nonfinite_rewards(value):
+    assert safe_reward(lambda c: value, "ok") == (0.0, "nonfinite")
 
 
 def _inputs(logprobs, old, adv, weights=None, **kw):

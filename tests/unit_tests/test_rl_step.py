@@ -102,3 +102,12 @@ def test_no_completion_tokens_skips_the_update(one_rank):
     model = TinyDDP()
     metrics = train_on_rollouts(model, SGD(model), [], StepConfig())
     assert metrics["update_skipped"] == 1.0 and metrics["bit_wise/tokens"] == 0
+    assert metrics["optimizer_steps"] == 0
+
+
+def test_an_empty_mini_batch_is_skipped_not_fatal(one_rank):
+    model = TinyDDP()
+    rollouts = _rollouts(model, advantages=[1.0, -1.0])[:1]  # one rollout, two updates
+    metrics = train_on_rollouts(model, SGD(model), rollouts, StepConfig(updates_per_step=2))
+    assert metrics["optimizer_steps"] == 1 and metrics["update_skipped"] == 0.5
+    assert metrics["bit_wise/tokens"] == 2

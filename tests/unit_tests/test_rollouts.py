@@ -13,7 +13,7 @@ TOK = CharTokenizer()
 
 
 class ScriptedTask:
-    """Prompt i is 'p<i>\\n'; the answer is 'ok'; example 2's verifier crashes."""
+    """Prompt i is 'p<i>\\n'; the answer is 'ok'; example 2's verifier crashes; 'nan' scores NaN."""
 
     size = None
 
@@ -21,7 +21,7 @@ class ScriptedTask:
         def verify(completion, index=index):
             if index == 2:
                 raise RuntimeError("verifier bug")
-            return float(completion == "ok")
+            return float("nan") if completion == "nan" else float(completion == "ok")
 
         return Example(prompt=f"p{index}\n", answer="ok", verify=verify)
 
@@ -29,8 +29,9 @@ class ScriptedTask:
 class ScriptedGenerator:
     """Answers prompt i with completions[i] (texts; '$' marks end-of-document)."""
 
-    def __init__(self, completions):
-        self.completions, self.calls = completions, []
+    def __init__(self, completions, budget=None):
+        """`budget`: the clamped budget the engine reports per request (default: the asked one)."""
+        self.completions, self.calls, self.budget = completions, [], budget
 
     def generate(self, prompts, sampling, max_new_tokens=None):
         self.calls.append((len(prompts), sampling.seed))
@@ -42,7 +43,8 @@ class ScriptedGenerator:
             ids = TOK.encode(text.rstrip("$")) + ([TOK.eod] if text.endswith("$") else [])
             out.append(Generation(prompt_tokens=list(prompt), completion_tokens=ids,
                                   completion_logprobs=[-0.5] * len(ids),
-                                  stopped_on_eod=text.endswith("$")))
+                                  stopped_on_eod=text.endswith("$"),
+                                  max_new_tokens=self.budget or sampling.max_new_tokens))
         return out
 
 
@@ -120,3 +122,34 @@ def test_step_packing_aligns_advantages_and_engine_logprobs(monkeypatch):
     assert packed.reported.tolist() == [False, True, True, False, True, False]
     assert packed.engine_logprobs.tolist() == [0.0, -0.25, -0.5, 0.0, -0.75, 0.0]
     assert advantages.tolist() == [0.5, 0.5, 0.5, 0.0, -0.5, 0.0]
+
+
+def test_nonfinite_rewards_score_zero_are_counted_and_keep_advantages_finite():
+    generator = ScriptedGenerator({0: ["nan$", "ok$", "no$"]})
+    config = RolloutConfig(prompts_per_step=1, group_size=3)
+    groups, stats = _collect(generator, PromptSource(ScriptedTask(), 0), TOK, SAMPLING, config,
+                             weight_version=0)
+    assert [r.reward for r in groups[0]] == [0.0, 1.0, 0.0]
+    assert all(torch.isfinite(torch.tensor([r.advantage for r in groups[0]])))
+    assert stats["rollouts/nonfinite_rewards"] == 1 and stats["rollouts/verifier_failures"] == 0
+    assert stats["reward/task_mean"] == pytest.approx(1 / 3)
+
+
+def test_dynamic_sampling_filters_on_task_accuracy_not_shaping():
+    # equal task rewards (all 1), different lengths: shaping differs, the group is still dropped
+    generator = ScriptedGenerator({0: ["ok$", "ok"], 1: ["ok$", "no$"]})
+    config = RolloutConfig(prompts_per_step=1, group_size=2, dynamic_sampling=True,
+                           overlong_buffer=2)
+    groups, stats = _collect(generator, PromptSource(ScriptedTask(), 0), TOK, SAMPLING, config,
+                             weight_version=0)
+    assert stats["rollouts/groups_dropped"] == 1
+    assert [g[0].prompt_tokens for g in groups] == [TOK.encode("p1\n")]
+
+
+def test_overlong_shaping_uses_the_budget_the_engine_ran_with():
+    # asked for 4 new tokens, the engine clamped to 2: 'o$' (2 tokens) is at the budget -> -1
+    generator = ScriptedGenerator({0: ["o$", "$"]}, budget=2)
+    config = RolloutConfig(prompts_per_step=1, group_size=2, overlong_buffer=2)
+    groups, _ = _collect(generator, PromptSource(ScriptedTask(), 0), TOK, SAMPLING, config,
+                         weight_version=0)
+    assert [r.reward for r in groups[0]] == [-1.0, -0.5]

@@ -1,0 +1,56 @@
+"""A user's reward function in place of a task's verifier: `--rl-reward-fn MODULE:FUNCTION` (an
+importable module) or `--rl-reward-fn path/to/file.py:FUNCTION`, a callable
+`(prompt, completion, example) -> float` (`example` has `.prompt` and `.answer`). It runs under
+the same guard as the built-in verifiers: an exception or a non-finite value scores 0 and is
+counted, never fatal."""
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable
+
+from megatron_rl_bi.envs.tasks import Example
+
+
+def load_reward_fn(spec: str) -> Callable:
+    """The callable `spec` names; one ValueError naming the flag when it cannot be had."""
+    where = f"--rl-reward-fn {spec}"
+    module_name, _, function_name = spec.rpartition(":")
+    if not module_name or not function_name:
+        raise ValueError(f"{where}: expected MODULE:FUNCTION or FILE.py:FUNCTION")
+    try:
+        if module_name.endswith(".py"):
+            if not os.path.isfile(module_name):
+                raise FileNotFoundError(f"no file {module_name}")
+            module_spec = importlib.util.spec_from_file_location("_rl_reward_fn", module_name)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - whatever the user's module raised, name the flag
+        raise ValueError(f"{where}: cannot load {module_name} ({type(exc).__name__}: {exc})") from exc
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise ValueError(f"{where}: {module_name} has no callable {function_name!r}")
+    return function
+
+
+def _user_reward(reward_fn: Callable, example: Example, completion: str) -> float:
+    return reward_fn(example.prompt, completion, example)
+
+
+def with_reward_fn(example: Example, reward_fn: Callable) -> Example:
+    """`example` scored by `reward_fn` instead of its own verifier."""
+    return dataclasses.replace(example, verify=functools.partial(_user_reward, reward_fn, example))
+
+
+class RewardFnTask:
+    """A task whose examples are scored by a user's reward function."""
+
+    def __init__(self, task, reward_fn: Callable):
+        self.task, self.reward_fn, self.size = task, reward_fn, task.size
+
+    def example(self, index: int) -> Example:
+        return with_reward_fn(self.task.example(index), self.reward_fn)
