@@ -30,7 +30,7 @@ from megatron_rl_bi.envs.tasks import JsonlTask
 from megatron_rl_bi.envs.tokenizer import build_tokenizer
 from megatron_rl_bi.inference import Generator
 from megatron_rl_bi.models.build import build_model
-from megatron_rl_bi.optimizer import build_ddp_and_optimizer
+from megatron_rl_bi.optimizer import build_ddp_and_optimizer, build_lr_scheduler
 from megatron_rl_bi.reporting.metrics import MetricsLogger
 from megatron_rl_bi.reporting.provenance import provenance
 from megatron_rl_bi.rl.loop import run_rl
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     with bi.batch_invariant(args.batch_invariant_mode):
         model = build_policy(args, tokenizer, hf_model)
         ddp, optimizer = build_ddp_and_optimizer(args, model)
+        lr_scheduler = build_lr_scheduler(args, optimizer)
         generator = Generator(model, engine_config)
         logger = build_logger(args)
         reference = None
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
                rollout_config=rollout_config_from_args(args),
                step_config=step_config_from_args(args),
                sampling=sampling_from_args(args, tokenizer.eod), config=loop_config_from_args(args),
-               logger=logger, ref_model=reference, hf_model=hf_model, eval_examples=eval_examples)
+               logger=logger, ref_model=reference, lr_scheduler=lr_scheduler, hf_model=hf_model,
+               eval_examples=eval_examples)
     if logger:
         logger.close()
     torch.distributed.barrier()

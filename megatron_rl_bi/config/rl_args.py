@@ -29,6 +29,8 @@ RL_DEFAULTS = dict(
     train_iters=100,
     # Megatron's data-loader batch flag; the RL step packs by --rl-micro-batch-tokens instead.
     micro_batch_size=1,
+    # RL runs usually keep the learning rate constant; Megatron's default decays it linearly.
+    lr_decay_style="constant",
 )
 
 LOSS_PRESETS = {

@@ -75,9 +75,10 @@ def _sft_warmup(ddp, optimizer, task, tokenizer, config: LoopConfig, logger) -> 
         group["lr"] = lr
 
 
-def _resume_or_warm_up(ddp, optimizer, source, task, tokenizer, config, logger) -> tuple[int, int]:
-    """(step, weight version) to continue from: a checkpoint's under --load, else (0, 0) after
-    the SFT warm-up."""
+def _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, task, tokenizer, config,
+                       logger) -> tuple[int, int]:
+    """(step, weight version) to continue from: a checkpoint's under --load (with the prompt
+    position and learning-rate schedule it saved), else (0, 0) after the SFT warm-up."""
     state = load_checkpoint(config.load_dir, ddp, optimizer, config.load_optimizer) if config.load_dir else None
     if state is None:
         if config.load_dir and logger:
@@ -86,20 +87,22 @@ def _resume_or_warm_up(ddp, optimizer, source, task, tokenizer, config, logger) 
             _sft_warmup(ddp, optimizer, task, tokenizer, config, logger)
         return 0, 0
     source.load_state_dict(state["source"])
+    if lr_scheduler is not None and "lr_scheduler" in state:
+        lr_scheduler.load_state_dict(state["lr_scheduler"])
     if logger:
         print(f"resumed from {config.load_dir} at step {state['step']}", flush=True)
     return state["step"], state["weight_version"]
 
 
 def _rl_step(ddp, optimizer, generator, source, tokenizer, rollout_config, step_config,
-             sampling, weight_version, ref_model) -> dict:
+             sampling, weight_version, ref_model, lr_scheduler) -> dict:
     """Generate, score, update; the step's global metrics with its timings."""
     step_start = time.time()
     groups, stats = collect_rollouts(generator, source, tokenizer, sampling, rollout_config,
                                      weight_version)
     generation_s = time.time() - step_start
     rollouts = [r for group in groups for r in group]
-    metrics = train_on_rollouts(ddp, optimizer, rollouts, step_config, ref_model)
+    metrics = train_on_rollouts(ddp, optimizer, rollouts, step_config, ref_model, lr_scheduler)
     torch.cuda.synchronize()
     step_s = time.time() - step_start
     stats.sums["tokens"] = sum(len(r.tokens) for r in rollouts)
@@ -115,14 +118,15 @@ def _due(step: int, interval: int, last: bool) -> bool:
     return last or bool(interval and step % interval == 0)
 
 
-def _save(step: int, weight_version: int, ddp, optimizer, source, config: LoopConfig,
-          hf_model: HFModel | None) -> None:
+def _save(step: int, weight_version: int, ddp, optimizer, lr_scheduler, source,
+          config: LoopConfig, hf_model: HFModel | None) -> None:
     """The Megatron checkpoint (--save) and the Hugging Face export (--save-hf) due at `step`."""
     last = step == config.steps
     if config.save_dir and _due(step, config.save_interval, last):
-        save_checkpoint(config.save_dir, step, ddp, optimizer, {
-            "step": step, "weight_version": weight_version, "source": source.state_dict(),
-        }, keep_last=config.keep_last)
+        rl_state = {"step": step, "weight_version": weight_version, "source": source.state_dict()}
+        if lr_scheduler is not None:
+            rl_state["lr_scheduler"] = lr_scheduler.state_dict()
+        save_checkpoint(config.save_dir, step, ddp, optimizer, rl_state, keep_last=config.keep_last)
     if config.save_hf_dir and _due(step, config.save_hf_interval, last):
         if torch.distributed.get_rank() == 0:  # every rank holds the same weights
             export_hf(ddp, hf_model, os.path.join(config.save_hf_dir, f"iter_{step:07d}"))
@@ -142,20 +146,22 @@ def run_rl(
     config: LoopConfig,
     logger: MetricsLogger | None,
     ref_model=None,
+    lr_scheduler=None,
     hf_model: HFModel | None = None,
     eval_examples: list | None = None,
 ) -> None:
-    """`logger` is None on ranks that do not log; `hf_model` is the checkpoint to export like
-    (--save-hf); `eval_examples` the held-out prompts (--rl-eval-dataset)."""
+    """`logger` is None on ranks that do not log; `lr_scheduler` steps per optimizer update and
+    is checkpointed; `hf_model` is the checkpoint to export like (--save-hf); `eval_examples` the
+    held-out prompts (--rl-eval-dataset)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     source = PromptSource(task, config.seed, rank, world)
-    start_step, weight_version = _resume_or_warm_up(ddp, optimizer, source, task, tokenizer,
-                                                    config, logger)
+    start_step, weight_version = _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, task,
+                                                    tokenizer, config, logger)
     started = time.time()
     for step in range(start_step + 1, config.steps + 1):
         step_sampling = dataclasses.replace(sampling, seed=sampling.seed + 1_000_003 * step + rank)
         metrics = _rl_step(ddp, optimizer, generator, source, tokenizer, rollout_config,
-                           step_config, step_sampling, weight_version, ref_model)
+                           step_config, step_sampling, weight_version, ref_model, lr_scheduler)
         weight_version += metrics["optimizer_steps"]
         if eval_examples and _due(step, config.eval_interval, last=False):
             metrics.update(all_reduce_metrics(
@@ -164,4 +170,4 @@ def run_rl(
         metrics["time/eta_s"] = (time.time() - started) / (step - start_step) * (config.steps - step)
         if logger:
             logger.log(step, metrics)
-        _save(step, weight_version, ddp, optimizer, source, config, hf_model)
+        _save(step, weight_version, ddp, optimizer, lr_scheduler, source, config, hf_model)

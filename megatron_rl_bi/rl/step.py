@@ -122,10 +122,12 @@ def train_on_rollouts(
     rollouts: list[Rollout],
     config: StepConfig,
     ref_model: torch.nn.Module | None = None,
+    lr_scheduler=None,
 ) -> dict[str, float]:
     """Updates the model; returns global metrics (parity, loss, clip, grad norm, the optimizer
     steps taken, the fraction of mini-batches skipped for having no completion token on any
-    rank: e.g. dynamic sampling kept no group, or fewer rollouts than --grpo-iterations)."""
+    rank: e.g. dynamic sampling kept no group, or fewer rollouts than --grpo-iterations).
+    `lr_scheduler` (megatron-core's OptimizerParamScheduler) steps once per optimizer update."""
     num_updates = config.updates_per_step
     minibatches = [rollouts[i::num_updates] for i in range(num_updates)]
     counts = _global_counts(minibatches)
@@ -147,9 +149,12 @@ def train_on_rollouts(
             for name, value in metrics.items():  # shares of global means: they add up
                 loss_terms.sums[name] = loss_terms.sums.get(name, 0.0) + value.item() / num_updates
         ddp.finish_grad_sync()
+        lr = optimizer.param_groups[0]["lr"]
         _, norm, _ = optimizer.step()
         grad_norm += (norm or 0.0) / num_updates
         steps += 1
+        if lr_scheduler is not None:
+            lr_scheduler.step(increment=1)
     result = all_reduce_metrics(loss_terms.update(compared.terms()))
     return {**result, "grad_norm": grad_norm, "update_skipped": 1.0 - steps / num_updates,
-            "optimizer_steps": steps}
+            "optimizer_steps": steps, "lr": float(lr)}

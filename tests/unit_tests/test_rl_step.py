@@ -42,6 +42,10 @@ class SGD:
     def __init__(self, model):
         self.model, self.inner = model, torch.optim.SGD(model.parameters(), lr=0.1)
 
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
     def zero_grad(self):
         self.inner.zero_grad()
 
@@ -80,6 +84,7 @@ def test_one_update_parity_and_loss(one_rank):
     assert metrics["bit_wise/tokens"] == 5  # 2 + 3 completion tokens, over two micro-batches
     assert metrics["bit_wise/logprob_diff/max"] == 0.0
     assert metrics["grad_norm"] > 0 and metrics["update_skipped"] == 0.0
+    assert metrics["lr"] == 0.1 and metrics["optimizer_steps"] == 1
 
 
 def test_two_updates_use_the_old_logprobs_and_tis_shadow_loss(one_rank):
@@ -111,3 +116,21 @@ def test_an_empty_mini_batch_is_skipped_not_fatal(one_rank):
     metrics = train_on_rollouts(model, SGD(model), rollouts, StepConfig(updates_per_step=2))
     assert metrics["optimizer_steps"] == 1 and metrics["update_skipped"] == 0.5
     assert metrics["bit_wise/tokens"] == 2
+
+
+def test_the_lr_schedule_steps_once_per_update(one_rank):
+    from megatron_rl_bi.config import parse_rl_args
+    from megatron_rl_bi.optimizer import build_lr_scheduler
+
+    args = parse_rl_args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1",
+                          "--seq-length", "8", "--max-position-embeddings", "8", "--lr", "0.1",
+                          "--lr-decay-style", "linear", "--train-iters", "1",
+                          "--grpo-iterations", "2"])
+    model = TinyDDP()
+    optimizer = SGD(model)
+    scheduler = build_lr_scheduler(args, optimizer)
+    rollouts = _rollouts(model, advantages=[1.0, -1.0])
+    metrics = train_on_rollouts(model, optimizer, rollouts, StepConfig(updates_per_step=2),
+                                lr_scheduler=scheduler)
+    assert metrics["lr"] == pytest.approx(0.05)  # the second update's: halfway down to 0
+    assert scheduler.num_steps == 2 and optimizer.param_groups[0]["lr"] == 0.0
