@@ -26,7 +26,8 @@ def build_ddp_and_optimizer(args: argparse.Namespace, model: torch.nn.Module):
 def build_lr_scheduler(args: argparse.Namespace, optimizer):
     """megatron-core's OptimizerParamScheduler from Megatron's flags (--lr, --min-lr,
     --lr-decay-style, --lr-decay-iters, --lr-warmup-iters / --lr-warmup-fraction,
-    --lr-warmup-init, --lr-wsd-*, --start/--end-weight-decay, --weight-decay-incr-style).
+    --lr-warmup-init, --lr-wsd-*, --start-weight-decay, --end-weight-decay,
+    --weight-decay-incr-style).
 
     It counts optimizer updates, stepped once per update: an RL step (what --train-iters and the
     other *-iters flags count) makes --grpo-iterations updates, so those flags are scaled by it.
