@@ -14,6 +14,9 @@ setup(
         "einops",
         "numpy",
         "pyyaml",
+        # Hugging Face checkpoints and tokenizers (Qwen3.5 needs transformers 5).
+        "transformers>=5.0",
+        "safetensors",
     ],
     extras_require={
         # FlashAttention-4 (CuTe DSL) runs on Hopper and Blackwell; FA3 is a source build
