@@ -18,16 +18,17 @@ VALIDATION_REWARD = "validation_reward/mean"
 
 def validation_terms(generator: Generator, examples: list, tokenizer, sampling: Sampling,
                      seed: int) -> MetricTerms:
-    """This rank's share of `validation_reward/mean` (and the verifier failures it hit)."""
+    """This rank's share of `validation_reward/mean` (and how many rewards scored 0 because the
+    verifier raised or returned a non-finite value)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     shard = examples[rank::world]
-    rewards, failures = [], 0
+    rewards, problems = [], 0
     if shard:
         prompts = [tokenizer.encode_prompt(example.prompt) for example in shard]
         generations = generator.generate(prompts, dataclasses.replace(sampling, seed=seed))
         for example, generation in zip(shard, generations):
-            reward, failed = score_completion(example, generation, tokenizer)
+            reward, problem = score_completion(example, generation, tokenizer)
             rewards.append(reward)
-            failures += failed
+            problems += problem is not None
     return MetricTerms(means={VALIDATION_REWARD: (sum(rewards), len(rewards))},
-                       sums={"validation/verifier_failures": failures})
+                       sums={"validation/reward_problems": problems})
