@@ -20,11 +20,11 @@ class TinyDDP(torch.nn.Module):
     """Embedding + output layer, called the way forward_logprobs calls Megatron's model; the DDP
     methods the step uses."""
 
-    def __init__(self):
+    def __init__(self, vocab_size: int = VOCAB):
         super().__init__()
         torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(VOCAB, 8)
-        self.out = torch.nn.Linear(8, VOCAB)
+        self.embed = torch.nn.Embedding(vocab_size, 8)
+        self.out = torch.nn.Linear(8, vocab_size)
 
     def forward(self, input_ids, position_ids, attention_mask, packed_seq_params):
         return self.out(self.embed(input_ids))  # [1, T, V]

@@ -1,0 +1,80 @@
+"""The RL loop end to end on CPU (one gloo rank, a scripted engine, a small stand-in model): warm-up,
+steps, the validation reward at its interval, the learning-rate schedule, metrics records with
+every key a step reports, and the weight version counting optimizer updates."""
+
+import json
+
+import pytest
+import torch
+
+from megatron_rl_bi.config import parse_rl_args
+from megatron_rl_bi.config.from_args import (
+    loop_config_from_args,
+    rollout_config_from_args,
+    sampling_from_args,
+    step_config_from_args,
+)
+from megatron_rl_bi.envs import build_task
+from megatron_rl_bi.envs.tasks import JsonlTask
+from megatron_rl_bi.envs.tokenizer import CharTokenizer
+from megatron_rl_bi.inference import Generation
+from megatron_rl_bi.optimizer import build_lr_scheduler
+from megatron_rl_bi.reporting.metrics import MetricsLogger, read_step_records
+from megatron_rl_bi.rl.loop import run_rl
+
+from .test_rl_step import SGD, TinyDDP
+
+TOK = CharTokenizer()
+MODEL = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1",
+         "--seq-length", "64", "--max-position-embeddings", "64"]
+
+
+class SortingEngine:
+    """Completes 'sort: dcab' prompts: right for even requests, wrong for odd ones."""
+
+    def generate(self, prompts, sampling, max_new_tokens=None):
+        out = []
+        for i, prompt in enumerate(prompts):
+            letters = TOK.decode(prompt).split(": ")[-1].strip()
+            text = "".join(sorted(letters)) if i % 2 == 0 else letters
+            completion = TOK.encode(text) + [TOK.eod]
+            out.append(Generation(list(prompt), completion, [-1.0] * len(completion),
+                                  stopped_on_eod=True, max_new_tokens=sampling.max_new_tokens))
+        return out
+
+
+@pytest.fixture
+def cpu_loop(gloo_group, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
+
+
+def test_a_run(tmp_path, cpu_loop):
+    eval_path = tmp_path / "eval.jsonl"
+    eval_path.write_text('{"prompt": "sort: 321\\n", "answer": "123"}\n')
+    args = parse_rl_args(MODEL + [
+        "--train-iters", "4", "--grpo-prompts-per-step", "2", "--grpo-group-size", "2",
+        "--grpo-iterations", "2", "--lr", "0.1", "--lr-decay-style", "linear",
+        "--rl-sft-warmup-steps", "2", "--rl-sft-batch-size", "2",
+        "--rl-eval-dataset", str(eval_path), "--eval-interval", "2",
+        "--rl-metrics-jsonl", str(tmp_path / "m.jsonl")])
+    model = TinyDDP(vocab_size=TOK.vocab_size)
+    optimizer = SGD(model)
+    logger = MetricsLogger(total_steps=4, jsonl_path=args.rl_metrics_jsonl)
+    run_rl(ddp=model, optimizer=optimizer, generator=SortingEngine(), task=build_task("sort", 0),
+           tokenizer=TOK, rollout_config=rollout_config_from_args(args),
+           step_config=step_config_from_args(args), sampling=sampling_from_args(args, TOK.eod),
+           config=loop_config_from_args(args), logger=logger,
+           lr_scheduler=build_lr_scheduler(args, optimizer),
+           eval_examples=JsonlTask(str(eval_path)).examples)
+    logger.close()
+    records = read_step_records(str(tmp_path / "m.jsonl"))
+    assert sorted(records) == [1, 2, 3, 4]
+    assert [records[s]["weight_version"] for s in (1, 2, 3, 4)] == [2, 4, 6, 8]
+    assert [records[s]["lr"] for s in (1, 2, 3, 4)] == pytest.approx([0.0875, 0.0625, 0.0375, 0.0125])
+    assert records[1]["reward/task_mean"] == 0.5 and records[1]["rollouts/groups"] == 2
+    assert "validation_reward/mean" not in records[1]
+    assert records[2]["validation_reward/mean"] == 1.0  # request 0 of the eval set is answered right
+    header = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])
+    assert "run" in header
