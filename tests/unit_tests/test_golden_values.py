@@ -1,0 +1,52 @@
+"""The golden-value comparison (CPU): exact metrics must be equal at every step, timing and memory
+means within 15%; a perturbed golden value fails; every case file parses."""
+
+import importlib.util
+import math
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("golden_values", os.path.join(REPO, "tools", "golden_values.py"))
+golden_values = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(golden_values)
+
+RECORDS = {s: {"loss": 0.1 * s, "bit_wise/logprob_diff/max": 0.0, "time/step_s": 1.0 + 0.05 * s,
+               "memory/peak_allocated_gib": 10.0, "rollouts/groups": 16} for s in (1, 2, 3)}
+
+
+def test_golden_file_format():
+    golden = golden_values.golden_from_records(RECORDS)
+    assert golden["loss"] == {"start_step": 1, "end_step": 3, "step_interval": 1,
+                              "values": {"1": 0.1, "2": 0.2, "3": 0.30000000000000004}}
+    assert "rollouts/groups" not in golden  # neither exact nor approximate: not recorded
+
+
+def test_own_records_pass_and_a_perturbed_value_fails():
+    golden = golden_values.golden_from_records(RECORDS)
+    assert golden_values.compare(golden, RECORDS) == []
+    perturbed = math.nextafter(0.2, 1.0)  # one ulp
+    golden["loss"]["values"]["2"] = perturbed
+    assert golden_values.compare(golden, RECORDS) == [f"loss step 2: 0.2 != golden {perturbed!r}"]
+
+
+def test_time_and_memory_within_15_percent_of_the_mean_after_step_1():
+    golden = golden_values.golden_from_records(RECORDS)
+    slower = {s: {**r, "time/step_s": r["time/step_s"] * 1.1} for s, r in RECORDS.items()}
+    slower[1]["time/step_s"] = 100.0  # step 1 (compilation) does not count
+    assert golden_values.compare(golden, slower) == []
+    much_slower = {s: {**r, "time/step_s": r["time/step_s"] * 1.2} for s, r in RECORDS.items()}
+    assert golden_values.compare(golden, much_slower)[0].startswith("time/step_s: mean")
+
+
+def test_missing_steps_are_failures():
+    golden = golden_values.golden_from_records(RECORDS)
+    assert "loss: no value at steps ['3']" in golden_values.compare(golden, {1: RECORDS[1], 2: RECORDS[2]})
+
+
+@pytest.mark.parametrize("path", golden_values.all_cases())
+def test_cases_parse(path):
+    case = golden_values.load_case(path)
+    assert case.test_type in ("regular", "ckpt-resume")
+    assert "--train-iters" in case.model_args and "--batch-invariant-mode" in case.flags()

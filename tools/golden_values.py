@@ -1,0 +1,161 @@
+"""Functional test cases with golden values, in Megatron's layout:
+
+  tests/functional_tests/test_cases/<model>/<case>/model_config.yaml
+      ENV_VARS: {NPROC: 2, ...}          # NPROC: processes (GPUs); the rest: environment
+      TEST_TYPE: regular | ckpt-resume   # ckpt-resume: stop half way, resume, compare the rest
+      MODEL_ARGS: {--recipe: ..., --train-iters: 20, --batch-invariant-mode: true, ...}
+  .../golden_values_dev_h200.json
+      {"<metric>": {"start_step": 1, "end_step": N, "step_interval": 1, "values": {"1": ...}}}
+
+Comparison: the BI runs' loss, reward, gradient-norm and parity metrics exactly (BI runs of these
+recipes repeat bit for bit); time and memory as the mean over steps 2..N (step 1 compiles)
+within +-15%.
+
+  python tools/golden_values.py regenerate [CASE_DIR ...]   # run on the GPU, write golden files
+  python tools/golden_values.py check [CASE_DIR ...]        # run and compare
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CASES = os.path.join(REPO, "tests", "functional_tests", "test_cases")
+GOLDEN = "golden_values_dev_h200.json"
+EXACT = ("loss", "reward/task_mean", "reward/trained_mean", "grad_norm", "bit_wise/tokens",
+         "bit_wise/logprob_diff/max", "bit_wise/logprob_diff/abs_mean",
+         "bit_wise/ratio_tokens_different")
+APPROXIMATE = ("time/step_s", "memory/peak_allocated_gib")
+RELATIVE_TOLERANCE = 0.15
+
+
+@dataclass
+class Case:
+    path: str
+    model_args: dict
+    env_vars: dict
+    test_type: str
+
+    @property
+    def name(self) -> str:
+        return os.path.relpath(self.path, CASES)
+
+    def flags(self) -> list[str]:
+        """MODEL_ARGS as command-line flags (true: a switch; false: left out)."""
+        flags = []
+        for flag, value in self.model_args.items():
+            if value is True:
+                flags.append(flag)
+            elif value is not False:
+                flags += [flag, str(value)]
+        return flags
+
+
+def load_case(path: str) -> Case:
+    config_path = os.path.join(path, "model_config.yaml")
+    with open(config_path) as f:
+        config = yaml.safe_load(f)
+    test_type = config.get("TEST_TYPE", "regular")
+    if test_type not in ("regular", "ckpt-resume"):
+        raise ValueError(f"{config_path}: TEST_TYPE {test_type!r}: expected regular or ckpt-resume")
+    return Case(path, dict(config["MODEL_ARGS"]), dict(config.get("ENV_VARS") or {}), test_type)
+
+
+def all_cases() -> list[str]:
+    return sorted(os.path.dirname(os.path.join(d, f)) for d, _, files in os.walk(CASES)
+                  for f in files if f == "model_config.yaml")
+
+
+def _pretrain_rl(case: Case, extra: list[str]) -> None:
+    env = {**os.environ, **{k: str(v) for k, v in case.env_vars.items() if k != "NPROC"}}
+    command = [sys.executable, "-m", "torch.distributed.run",
+               f"--nproc-per-node={case.env_vars.get('NPROC', 1)}",
+               os.path.join(REPO, "pretrain_rl.py"), *case.flags(), *extra]
+    subprocess.run(command, check=True, cwd=REPO, env=env)
+
+
+def run_case(case: Case, workdir: str, resume: bool) -> dict[int, dict]:
+    """The case's step records. A ckpt-resume case's golden values are steps N/2+1..N of the
+    uninterrupted run (`resume` False); checking it (`resume` True) stops at N/2 and resumes."""
+    from megatron_rl_bi.reporting.metrics import read_step_records
+
+    metrics, checkpoints = os.path.join(workdir, "m.jsonl"), os.path.join(workdir, "ckpt")
+    steps = int(case.model_args["--train-iters"])
+    common = ["--rl-metrics-jsonl", metrics, "--save", checkpoints, "--save-interval", str(steps)]
+    if resume:
+        _pretrain_rl(case, common + ["--train-iters", str(steps // 2)])
+        _pretrain_rl(case, common + ["--load", checkpoints])
+    else:
+        _pretrain_rl(case, common)
+    records = read_step_records(metrics)
+    if case.test_type == "ckpt-resume":
+        return {s: r for s, r in records.items() if s > steps // 2}
+    return records
+
+
+def golden_from_records(records: dict[int, dict]) -> dict:
+    steps = sorted(records)
+    return {
+        name: {"start_step": steps[0], "end_step": steps[-1], "step_interval": 1,
+               "values": {str(s): records[s][name] for s in steps}}
+        for name in EXACT + APPROXIMATE if all(name in records[s] for s in steps)
+    }
+
+
+def _mean_after_first(values: dict) -> float:
+    kept = [v for s, v in values.items() if int(s) > min(int(k) for k in values)] or list(values.values())
+    return sum(kept) / len(kept)
+
+
+def compare(golden: dict, records: dict[int, dict]) -> list[str]:
+    """Every way `records` misses `golden`: a step or metric missing, an exact value different,
+    an approximate mean outside the tolerance."""
+    failures = []
+    for name, spec in golden.items():
+        values = spec["values"]
+        missing = [s for s in values if int(s) not in records or name not in records[int(s)]]
+        if missing:
+            failures.append(f"{name}: no value at steps {missing[:5]}")
+            continue
+        actual = {s: records[int(s)][name] for s in values}
+        if name in APPROXIMATE:
+            expected, got = _mean_after_first(values), _mean_after_first(actual)
+            if abs(got - expected) > RELATIVE_TOLERANCE * abs(expected):
+                failures.append(f"{name}: mean {got:.4g} vs golden {expected:.4g} (+-15%)")
+        else:
+            failures += [f"{name} step {s}: {actual[s]!r} != golden {v!r}"
+                         for s, v in values.items() if actual[s] != v]
+    return failures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["regenerate", "check"])
+    parser.add_argument("cases", nargs="*", help="case directories (default: all)")
+    args = parser.parse_args()
+    failed = False
+    for path in args.cases or all_cases():
+        case = load_case(path)
+        resume = args.mode == "check" and case.test_type == "ckpt-resume"
+        records = run_case(case, tempfile.mkdtemp(prefix="golden_"), resume)
+        golden_path = os.path.join(case.path, GOLDEN)
+        if args.mode == "regenerate":
+            with open(golden_path, "w") as f:
+                json.dump(golden_from_records(records), f, indent=2)
+            print(f"{case.name}: wrote {golden_path}")
+            continue
+        with open(golden_path) as f:
+            failures = compare(json.load(f), records)
+        print(f"{case.name}: " + ("passed" if not failures else "FAILED\n  " + "\n  ".join(failures)))
+        failed |= bool(failures)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
