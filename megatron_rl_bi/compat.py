@@ -17,6 +17,13 @@ def transformer_engine_installed() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+def apex_gradient_accumulation_fusion_installed() -> bool:
+    """megatron-core 0.19.2 defaults to gradient-accumulation fusion, whose linear layers (TE's
+    and local) need APEX's `fused_weight_gradient_mlp_cuda` extension and fail at model build
+    without it; the default is turned off where the extension is missing."""
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
 @contextlib.contextmanager
 def transformer_engine_optional():
     """Lets megatron-core's `enable_batch_invariant_mode()` run without TransformerEngine.

@@ -33,9 +33,11 @@ def add_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         # Megatron's 40 GB KV-cache default is sized for serving large models.
         inference_dynamic_batching_buffer_size_gb=4.0,
     )
+    if not compat.apex_gradient_accumulation_fusion_installed():
+        # Megatron's default needs APEX's fused weight-gradient extension, with or without TE.
+        defaults.update(gradient_accumulation_fusion=False)
     if not compat.transformer_engine_installed():
-        # These need TE or apex kernels.
-        defaults.update(gradient_accumulation_fusion=False, no_persist_layer_norm=True)
+        defaults.update(no_persist_layer_norm=True)  # the persistent norm kernel is TE's or APEX's
     parser.set_defaults(**defaults)
     return parser
 

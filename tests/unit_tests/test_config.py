@@ -74,3 +74,16 @@ def test_defaults_are_parity_safe():
     assert args.hidden_dropout == 0.0 and args.attention_dropout == 0.0
     assert args.normalization == "RMSNorm"
     assert args.attention_backend.name == "flash"
+
+
+@pytest.mark.parametrize("te", [True, False])
+def test_gradient_accumulation_fusion_off_without_apex(monkeypatch, te):
+    """With TE but without APEX's fused weight-gradient extension, megatron-core's default
+    (fusion on) fails at model build: the default follows the extension."""
+    from megatron_rl_bi import compat
+
+    monkeypatch.setattr(compat, "transformer_engine_installed", lambda: te)
+    monkeypatch.setattr(compat, "apex_gradient_accumulation_fusion_installed", lambda: False)
+    assert parse_args(MODEL + ["--transformer-impl", "local"]).gradient_accumulation_fusion is False
+    monkeypatch.setattr(compat, "apex_gradient_accumulation_fusion_installed", lambda: True)
+    assert parse_args(MODEL + ["--transformer-impl", "local"]).gradient_accumulation_fusion is True
