@@ -77,7 +77,7 @@ def build_policy(args: argparse.Namespace, tokenizer, hf_model: HFModel | None) 
 def main(argv: list[str] | None = None) -> None:
     args = parse_rl_args(argv)
     tokenizer = build_tokenizer(args.rl_tokenizer, chat_template=not args.rl_no_chat_template)
-    engine_config = engine_config_from_args(args)
+    engine_config = engine_config_from_args(args, temperature=args.rl_default_temperature)
     task = build_task(args.rl_task, args.seed, args.rl_dataset)
     eval_task = JsonlTask(args.rl_eval_dataset) if args.rl_eval_dataset else None
     for dataset in (task, eval_task):

@@ -88,7 +88,8 @@ def main() -> None:
         args.parity_requests, tuple(args.parity_prompt_lengths),
         tuple(args.parity_max_new_tokens), args.parity_vocab_size, args.seed,
     )
-    engine_config = engine_config_from_args(args, prompt_logprobs=True)
+    engine_config = engine_config_from_args(args, prompt_logprobs=True,
+                                            temperature=args.parity_temperature)
     sampling = Sampling(temperature=args.parity_temperature, seed=args.seed)
     report = {**provenance(), "model": {}, "engine": vars(engine_config), "requests": {}}
     weights = None

@@ -1,6 +1,6 @@
 """Batch invariance: the switch and the ops megatron-core lacks on the non-TE path."""
 
-from megatron_rl_bi.bi.ops import rms_norm, selective_log_softmax
+from megatron_rl_bi.bi.ops import rms_norm, sampling_logits, selective_log_softmax
 from megatron_rl_bi.bi.switch import (
     BatchInvariantModeError,
     batch_invariant,
@@ -16,5 +16,6 @@ __all__ = [
     "enable",
     "enabled",
     "rms_norm",
+    "sampling_logits",
     "selective_log_softmax",
 ]

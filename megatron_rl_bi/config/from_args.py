@@ -10,8 +10,10 @@ from megatron_rl_bi.rl.rollouts import RolloutConfig
 from megatron_rl_bi.rl.step import StepConfig
 
 
-def engine_config_from_args(args: argparse.Namespace, prompt_logprobs: bool = False) -> EngineConfig:
-    """The engine's sizes from Megatron's own --inference-* flags."""
+def engine_config_from_args(args: argparse.Namespace, prompt_logprobs: bool = False,
+                            temperature: float = 1.0) -> EngineConfig:
+    """The engine's sizes from Megatron's own --inference-* flags; logprobs of the distribution
+    at the `temperature` it will sample with."""
     defaults = EngineConfig()
     return EngineConfig(
         max_requests=args.inference_dynamic_batching_max_requests or defaults.max_requests,
@@ -20,6 +22,7 @@ def engine_config_from_args(args: argparse.Namespace, prompt_logprobs: bool = Fa
         buffer_size_gb=args.inference_dynamic_batching_buffer_size_gb,
         block_size_tokens=args.inference_dynamic_batching_block_size,
         prompt_logprobs=prompt_logprobs,
+        processed_logprobs=temperature != 1.0,
     )
 
 
@@ -52,6 +55,7 @@ def step_config_from_args(args: argparse.Namespace) -> StepConfig:
         aggregation=args.rl_loss_aggregation,
         micro_batch_tokens=args.rl_micro_batch_tokens,
         updates_per_step=args.grpo_iterations,
+        temperature=args.rl_default_temperature,
     )
 
 

@@ -183,9 +183,12 @@ def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
         errors.append("--rl-keep-last-k must be >= 0")
     if bool(args.eval_interval) != bool(args.rl_eval_dataset):
         errors.append("--eval-interval and --rl-eval-dataset go together")
-    if args.rl_default_top_k > 0 and args.rl_default_top_p > 0:
-        errors.append("--rl-default-top-k and --rl-default-top-p cannot both be set (engine)")
+    if args.rl_default_top_k > 0 or args.rl_default_top_p > 0:
+        errors.append("--rl-default-top-k / --rl-default-top-p: the trainer's logprobs are of the "
+                      "temperature-scaled distribution only, so the policy ratio and TIS would "
+                      "refer to a distribution the tokens were not sampled from; sample with "
+                      "--rl-default-temperature alone")
     if args.rl_default_temperature <= 0:
-        errors.append("--rl-default-temperature must be > 0 (use --rl-default-top-k 1 for greedy)")
+        errors.append("--rl-default-temperature must be > 0")
     if errors:
         raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))

@@ -46,6 +46,9 @@ class EngineConfig:
     """Tokens per KV block (FlashAttention page)."""
     prompt_logprobs: bool = False
     """Also report logprobs of prompt tokens 2..P (costs logits for every prompt token)."""
+    processed_logprobs: bool = False
+    """Report logprobs of the distribution sampled from (logits divided by the temperature)
+    rather than of the raw logits: on whenever the temperature is not 1."""
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -134,7 +137,9 @@ class Generator:
             materialize_only_last_token_logits=not config.prompt_logprobs,
             enable_prefix_caching=False,
             enable_chunked_prefill=False,
-            logprobs_mode="raw_logprobs",
+            logprobs_mode="processed_logprobs" if config.processed_logprobs else "raw_logprobs",
+            # The trainer reproduces the torch backend's processed logprobs (bi.sampling_logits).
+            sampling_backend="torch",
             num_cuda_graphs=None,
             mamba_inference_state_config=gdn_inference_state_config(model),
         )
@@ -168,6 +173,9 @@ class Generator:
             max_new_tokens = [sampling.max_new_tokens] * len(prompts)
         if len(max_new_tokens) != len(prompts):
             raise ValueError(f"{len(max_new_tokens)} max_new_tokens for {len(prompts)} prompts")
+        if sampling.temperature != 1.0 and not self.config.processed_logprobs:
+            raise ValueError(f"temperature {sampling.temperature}: the engine reports raw logprobs; "
+                             "build it with EngineConfig(processed_logprobs=True)")
         self.check_prompt_lengths([len(p) for p in prompts])
         max_new_tokens = [min(n, self.config.max_sequence_length - len(p))
                           for n, p in zip(max_new_tokens, prompts)]

@@ -35,15 +35,17 @@ def random_requests(
 
 
 def trainer_vs_engine(
-    model: torch.nn.Module, generations: list[Generation], micro_batch_tokens: int
+    model: torch.nn.Module, generations: list[Generation], micro_batch_tokens: int,
+    temperature: float = 1.0,
 ) -> dict[str, torch.Tensor]:
-    """Packed per-position tensors (CPU): trainer and engine logprobs, the engine-reported mask
-    and the completion mask."""
+    """Packed per-position tensors (CPU): trainer logprobs at the sampling `temperature` and the
+    engine's, the engine-reported mask and the completion mask."""
     parts = {"train": [], "engine": [], "reported": [], "completion": []}
     model.train()
     for group in micro_batches(generations, micro_batch_tokens):
         packed = pack_completions(group)
-        parts["train"].append(forward_logprobs(model, packed.batch.to("cuda"))[0].detach().cpu())
+        logprobs, _ = forward_logprobs(model, packed.batch.to("cuda"), temperature=temperature)
+        parts["train"].append(logprobs.detach().cpu())
         parts["engine"].append(packed.engine_logprobs)
         parts["reported"].append(packed.reported)
         parts["completion"].append(packed.batch.completion)
@@ -77,7 +79,7 @@ def run_parity(
         generations = generator.generate(
             [prompts[i] for i in order], sampling, [budgets[i] for i in order]
         )
-        compared = trainer_vs_engine(model, generations, micro_batch_tokens)
+        compared = trainer_vs_engine(model, generations, micro_batch_tokens, sampling.temperature)
         pooled.append(compared)
         runs.append(
             {

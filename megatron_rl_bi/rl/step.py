@@ -36,6 +36,9 @@ class StepConfig:
     """Tokens per packed trainer forward (--rl-micro-batch-tokens)."""
     updates_per_step: int = 1
     """Optimizer steps per batch of rollouts (--grpo-iterations)."""
+    temperature: float = 1.0
+    """The engine's sampling temperature: trainer logprobs (and entropy) are of the same
+    distribution (--rl-default-temperature)."""
 
 
 class _Compared:
@@ -76,13 +79,13 @@ def _global_counts(minibatches: list[list[Rollout]]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _old_logprobs(ddp, rollouts: list[Rollout], micro_batch_tokens: int,
+def _old_logprobs(ddp, rollouts: list[Rollout], micro_batch_tokens: int, temperature: float,
                   compared: _Compared) -> dict[int, torch.Tensor]:
     """The generating policy's logprobs (before any update), by rollout: [len(tokens) - 1]."""
     old = {}
     for micro in micro_batches(rollouts, micro_batch_tokens):
         packed, _ = _pack(micro)
-        logprobs, _ = forward_logprobs(ddp, packed.batch)
+        logprobs, _ = forward_logprobs(ddp, packed.batch, temperature=temperature)
         compared.add(logprobs, packed)
         old.update(zip(map(id, micro), unpack_token_values(logprobs, packed.batch)))
     return old
@@ -94,7 +97,8 @@ def _micro_batch_loss(ddp, micro, counts, old_by_rollout, compared, config, ref_
     `counts`: [2] global completion tokens and completions of this mini-batch."""
     packed, advantages = _pack(micro)
     batch = packed.batch
-    logprobs, entropy = forward_logprobs(ddp, batch, with_entropy=bool(config.loss.entropy_weight))
+    logprobs, entropy = forward_logprobs(ddp, batch, with_entropy=bool(config.loss.entropy_weight),
+                                         temperature=config.temperature)
     if old_by_rollout is None:
         old = logprobs.detach()
         compared.add(old, packed)
@@ -103,7 +107,7 @@ def _micro_batch_loss(ddp, micro, counts, old_by_rollout, compared, config, ref_
     ref = None
     if ref_model is not None:
         with torch.no_grad():
-            ref, _ = forward_logprobs(ref_model, batch)
+            ref, _ = forward_logprobs(ref_model, batch, temperature=config.temperature)
     weights = token_weights(batch.completion, batch.sequence_ids, config.aggregation,
                             counts[0].item(), counts[1].item())
     inputs = LossInputs(logprobs, old, advantages, weights, packed.engine_logprobs, ref, entropy)
@@ -135,7 +139,9 @@ def train_on_rollouts(
     if (counts[:, 0] == 0).all():  # nothing to learn from this step
         return {"update_skipped": 1.0, "optimizer_steps": 0, **all_reduce_metrics(compared.terms())}
     ddp.train()
-    old = _old_logprobs(ddp, rollouts, config.micro_batch_tokens, compared) if num_updates > 1 else None
+    old = None
+    if num_updates > 1:
+        old = _old_logprobs(ddp, rollouts, config.micro_batch_tokens, config.temperature, compared)
     no_tis = dataclasses.replace(config.loss, tis_cap=None) if config.loss.tis_cap is not None else None
     loss_terms, grad_norm, steps = MetricTerms(), 0.0, 0
     for update, minibatch in enumerate(minibatches):

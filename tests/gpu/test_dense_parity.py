@@ -59,3 +59,15 @@ def test_default_mode_harness_sees_a_mismatch(bi_model, distributed):
     result = run_parity(model, Generator(model, ENGINE), prompts, budgets,
                         Sampling(temperature=1.0, seed=7), micro_batch_tokens=6000, orders=1)
     assert result["all_reported"]["bit_wise/logprob_diff/abs_mean"] > 0
+
+
+def test_temperature_parity(bi_model):
+    """At temperature 0.7 the engine reports processed logprobs and the trainer divides its logits
+    the same way: still bitwise equal."""
+    engine = EngineConfig(max_requests=64, max_tokens=8192, max_sequence_length=1024,
+                          buffer_size_gb=2.0, prompt_logprobs=True, processed_logprobs=True)
+    prompts, budgets = random_requests(16, (1, 300), (1, 128), VOCAB_SIZE, seed=9)
+    result = run_parity(bi_model, Generator(bi_model, engine), prompts, budgets,
+                        Sampling(temperature=0.7, seed=9), micro_batch_tokens=6000, orders=1)
+    assert result["completion_only"]["bit_wise/tokens"] >= 128
+    assert result["all_reported"]["bit_wise/logprob_diff/max"] == 0.0, result["all_reported"]

@@ -105,3 +105,24 @@ def test_rms_norm_rejects_layernorm_config():
         RMSNorm(
             TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1), hidden_size=8
         )
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_selective_log_softmax_at_a_temperature(temperature):
+    """Values: log softmax of the logits divided by the temperature, rounded to fp32 first as the
+    engine's request metadata holds it; gradients: autograd of that function."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 11, dtype=torch.bfloat16)
+    tokens = torch.randint(0, 11, (6,))
+    t32 = torch.tensor(temperature, dtype=torch.float32).item()
+    expected = torch.log_softmax(logits.float().clone().div_(t32), -1)[torch.arange(6), tokens]
+    assert torch.equal(bi.selective_log_softmax(logits, tokens, chunk_rows=4, temperature=temperature),
+                       expected)
+    exact = torch.randn(6, 11, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(6, dtype=torch.float64)
+    (bi.selective_log_softmax(exact, tokens, temperature=temperature) * weights).sum().backward()
+    reference = exact.detach().clone().requires_grad_(True)
+    (torch.log_softmax(reference / t32, -1)[torch.arange(6), tokens] * weights).sum().backward()
+    assert torch.allclose(exact.grad, reference.grad, atol=1e-6)  # fp32 inside: not bitwise
+    with pytest.raises(ValueError, match="temperature 0 must be > 0"):
+        bi.selective_log_softmax(logits, tokens, temperature=0)

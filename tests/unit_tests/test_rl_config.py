@@ -94,3 +94,16 @@ def test_load_directory_must_exist(tmp_path):
     assert parse_rl_args(MODEL + ["--load", str(tmp_path)]).load == str(tmp_path)  # a fresh run
     with pytest.raises(ValueError, match="--rl-keep-last-k must be >= 0"):
         parse_rl_args(MODEL + ["--rl-keep-last-k", "-1"])
+
+
+def test_top_k_and_top_p_are_refused_and_temperature_reaches_both_sides():
+    from megatron_rl_bi.config.from_args import engine_config_from_args
+
+    for flags in (["--rl-default-top-k", "5"], ["--rl-default-top-p", "0.9"]):
+        with pytest.raises(ValueError, match="--rl-default-top-k / --rl-default-top-p"):
+            parse_rl_args(MODEL + flags)
+    args = parse_rl_args(MODEL + ["--rl-default-temperature", "0.7"])
+    assert step_config_from_args(args).temperature == 0.7
+    assert sampling_from_args(args, eod_id=2).temperature == 0.7
+    assert engine_config_from_args(args, temperature=args.rl_default_temperature).processed_logprobs
+    assert not engine_config_from_args(parse_rl_args(MODEL)).processed_logprobs

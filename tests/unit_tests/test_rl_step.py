@@ -60,12 +60,12 @@ def one_rank(gloo_group, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
 
 
-def _rollouts(model, advantages, engine_offset=0.0):
-    """Two rollouts whose engine logprobs are the model's own (+ `engine_offset`)."""
+def _rollouts(model, advantages, engine_offset=0.0, temperature=1.0):
+    """Two rollouts whose engine logprobs are the model's own at `temperature` (+ `engine_offset`)."""
     generations = [Generation([1, 2, 3], [4, 5], [0.0, 0.0]), Generation([6], [7, 8, 9], [0.0] * 3)]
     packed = pack_completions(generations)
     with torch.no_grad():
-        logprobs, _ = forward_logprobs(model, packed.batch)
+        logprobs, _ = forward_logprobs(model, packed.batch, temperature=temperature)
     for generation, row in zip(generations, unpack_token_values(logprobs, packed.batch)):
         completion = row[len(generation.prompt_tokens) - 1 :]
         generation.completion_logprobs = (completion + engine_offset).tolist()
@@ -134,3 +134,15 @@ def test_the_lr_schedule_steps_once_per_update(one_rank):
                                 lr_scheduler=scheduler)
     assert metrics["lr"] == pytest.approx(0.05)  # the second update's: halfway down to 0
     assert scheduler.num_steps == 2 and optimizer.param_groups[0]["lr"] == 0.0
+
+
+def test_trainer_logprobs_follow_the_sampling_temperature(one_rank):
+    model = TinyDDP()
+    rollouts = _rollouts(model, advantages=[1.0, -1.0], temperature=0.7)
+    same = train_on_rollouts(model, SGD(model), rollouts, StepConfig(temperature=0.7,
+                                                                     micro_batch_tokens=100))
+    assert same["bit_wise/logprob_diff/max"] == 0.0
+    model = TinyDDP()
+    other = train_on_rollouts(model, SGD(model), _rollouts(model, [1.0, -1.0], temperature=0.7),
+                              StepConfig(micro_batch_tokens=100))
+    assert other["bit_wise/ratio_tokens_different"] == 1.0
