@@ -25,6 +25,7 @@ from megatron_rl_bi.models.build import build_model, cpu_state_dict  # noqa: E40
 from megatron_rl_bi.models.logprobs import forward_logprobs  # noqa: E402
 from megatron_rl_bi.packing import pack_sequences  # noqa: E402
 from megatron_rl_bi.parity.harness import random_requests  # noqa: E402
+from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -63,8 +64,6 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
             "generate_s": seconds(lambda: generator.generate(prompts, sampling), args.bench_repeats),
         }
         state = cpu_state_dict(model)
-    del generator, model
-    torch.cuda.empty_cache()
     return result, state
 
 
@@ -73,6 +72,7 @@ def main() -> None:
     validate_batch_invariance(args, batch_invariant=True)
     initialize_distributed(args.seed)
     bi_result, weights = measure(args, True, None)
+    torch.cuda.empty_cache()  # the BI model and its engine are gone with measure's frame
     default_result, _ = measure(args, False, weights)
     report = {
         **provenance(),

@@ -16,7 +16,7 @@ import torch
 
 from megatron_rl_bi.checkpoints.hf import HFModel, export_hf
 from megatron_rl_bi.checkpoints.megatron import load_checkpoint, save_checkpoint
-from megatron_rl_bi.distributed import MetricTerms, all_reduce_metrics
+from megatron_rl_bi.distributed import all_reduce_metrics
 from megatron_rl_bi.envs import PromptSource
 from megatron_rl_bi.inference import Generator, Sampling
 from megatron_rl_bi.reporting.metrics import MetricsLogger
