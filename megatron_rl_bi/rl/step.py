@@ -42,20 +42,21 @@ class StepConfig:
 
 
 class _Compared:
-    """Trainer logprobs next to the engine's, collected over a step's micro-batches (CPU)."""
+    """Trainer logprobs next to the engine's, collected over a step's micro-batches and compared
+    once at the end (one device-to-host copy per step, not per micro-batch)."""
 
     def __init__(self):
         self.train, self.engine, self.reported = [], [], []
 
     def add(self, logprobs: torch.Tensor, packed: PackedCompletions) -> None:
-        self.train.append(logprobs.detach().cpu())
-        self.engine.append(packed.engine_logprobs.cpu())
-        self.reported.append(packed.reported.cpu())
+        self.train.append(logprobs.detach())
+        self.engine.append(packed.engine_logprobs)
+        self.reported.append(packed.reported)
 
     def terms(self) -> MetricTerms:
         if not self.train:
             return parity_terms(torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool))
-        return parity_terms(torch.cat(self.train), torch.cat(self.engine), torch.cat(self.reported))
+        return parity_terms(*(torch.cat(parts).cpu() for parts in (self.train, self.engine, self.reported)))
 
 
 def _pack(rollouts: list[Rollout]) -> tuple[PackedCompletions, torch.Tensor]:
