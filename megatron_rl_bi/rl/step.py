@@ -56,7 +56,8 @@ class _Compared:
     def terms(self) -> MetricTerms:
         if not self.train:
             return parity_terms(torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool))
-        return parity_terms(*(torch.cat(parts).cpu() for parts in (self.train, self.engine, self.reported)))
+        parts = (self.train, self.engine, self.reported)
+        return parity_terms(*(torch.cat(part).cpu() for part in parts))
 
 
 def _pack(rollouts: list[Rollout]) -> tuple[PackedCompletions, torch.Tensor]:
