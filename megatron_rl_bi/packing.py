@@ -51,10 +51,10 @@ class PackedBatch:
 
     @property
     def sequence_ids(self) -> torch.Tensor:
-        """[T] int64: which sequence each packed position belongs to."""
-        lengths = torch.tensor(self.sequence_lengths, device=self.cu_seqlens.device)
-        return torch.repeat_interleave(torch.arange(self.num_sequences, device=lengths.device),
-                                       lengths)
+        """[T] int64: which sequence each packed position belongs to (computed where
+        cu_seqlens lives, without a copy to the host)."""
+        sequences = torch.arange(self.num_sequences, device=self.cu_seqlens.device)
+        return torch.repeat_interleave(sequences, self.cu_seqlens.diff())
 
     def packed_seq_params(self) -> PackedSeqParams:
         return PackedSeqParams(

@@ -28,7 +28,8 @@ LATEST = "latest_checkpointed_iteration.txt"
 RL_STATE = "rl_state.pt"
 
 
-def _dir_name(step: int) -> str:
+def iteration_dir_name(step: int) -> str:
+    """`iter_0000012`: the directory of a step, for checkpoints and exports alike."""
     return f"iter_{step:07d}"
 
 
@@ -104,7 +105,7 @@ def _prune(save_dir: str, keep_last: int, current: str) -> None:
     """Keeps the `keep_last` newest checkpoints (0: all); never the one just written."""
     steps = sorted(int(n[5:]) for n in os.listdir(save_dir) if re.fullmatch(r"iter_\d{7}", n))
     for step in steps[:-keep_last] if keep_last else []:
-        path = os.path.join(save_dir, _dir_name(step))
+        path = os.path.join(save_dir, iteration_dir_name(step))
         if path != current:
             shutil.rmtree(path)
 
@@ -114,7 +115,7 @@ def save_checkpoint(save_dir: str, step: int, ddp, optimizer, rl_state: dict,
     """Model, optimizer and RL state under `save_dir/iter_N`, published only when complete and
     on disk; then `latest` names it and checkpoints beyond the newest `keep_last` go."""
     rank = torch.distributed.get_rank()
-    final = os.path.join(save_dir, _dir_name(step))
+    final = os.path.join(save_dir, iteration_dir_name(step))
     tmp = final + ".tmp"
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
@@ -147,7 +148,7 @@ def latest_step(load_dir: str) -> int | None:
 
 
 def _checkpoint_path(load_dir: str, step: int) -> str:
-    path = os.path.join(load_dir, _dir_name(step))
+    path = os.path.join(load_dir, iteration_dir_name(step))
     if os.path.isdir(path):
         return path
     if os.path.isdir(path + ".old"):  # a crash between the two renames of `_publish`
@@ -209,7 +210,7 @@ def resolve_checkpoint_dir(path: str) -> str:
                          f"(no metadata.json) nor a checkpoint root (no {LATEST})")
     with open(latest) as f:
         tag = f.read().strip()
-    name = "release" if tag == "release" else _dir_name(int(tag)) if tag.isdigit() else None
+    name = "release" if tag == "release" else iteration_dir_name(int(tag)) if tag.isdigit() else None
     if name is None or not os.path.isdir(os.path.join(path, name)):
         raise ValueError(f"{latest}: names {tag!r}, which is not a checkpoint under {path}")
     return os.path.join(path, name)

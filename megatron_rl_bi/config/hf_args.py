@@ -8,7 +8,6 @@ flag given elsewhere that contradicts the checkpoint is an error naming both.
 import argparse
 
 
-
 def add_hf_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("megatron_rl_bi: Hugging Face checkpoints")
     group.add_argument("--hf-checkpoint", default=None, metavar="DIR",

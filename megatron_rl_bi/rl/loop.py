@@ -15,7 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl_bi.checkpoints.hf import HFModel, export_hf
-from megatron_rl_bi.checkpoints.megatron import load_checkpoint, save_checkpoint
+from megatron_rl_bi.checkpoints.megatron import (
+    iteration_dir_name,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megatron_rl_bi.distributed import all_reduce_metrics
 from megatron_rl_bi.envs import PromptSource
 from megatron_rl_bi.inference import Generator, Sampling
@@ -129,7 +133,7 @@ def _save(step: int, weight_version: int, ddp, optimizer, lr_scheduler, source,
         save_checkpoint(config.save_dir, step, ddp, optimizer, rl_state, keep_last=config.keep_last)
     if config.save_hf_dir and _due(step, config.save_hf_interval, last):
         if torch.distributed.get_rank() == 0:  # every rank holds the same weights
-            export_hf(ddp, hf_model, os.path.join(config.save_hf_dir, f"iter_{step:07d}"))
+            export_hf(ddp, hf_model, os.path.join(config.save_hf_dir, iteration_dir_name(step)))
         torch.distributed.barrier()
 
 

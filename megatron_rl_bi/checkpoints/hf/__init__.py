@@ -72,8 +72,7 @@ def load_hf_weights(model: torch.nn.Module, hf: HFModel) -> None:
         state[key].copy_(tensor)
         filled.add(key)
         used.update(names)
-    unfilled = sorted(k for k in state if k not in filled and not k.endswith("_extra_state")
-                      and "rotary" not in k)
+    unfilled = sorted(k for k in state if k not in filled and "rotary" not in k)
     if unfilled:
         raise ValueError(f"{hf.path}: no tensors for {unfilled[:5]} ({len(unfilled)} in all)")
     left = reader.names() - used

@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-# Files a Hugging Face directory carries besides weights; copied from the source on export.
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+# Files a Hugging Face directory carries besides weights; copied from the source on export.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json", "tokenizer.model")
@@ -37,17 +37,21 @@ class SafetensorsReader:
     def names(self) -> set[str]:
         return set(self.files)
 
-    def get(self, name: str) -> torch.Tensor:
+    def _shard(self, name: str):
+        """The open shard holding `name` (opened once); names the tensor if it is missing."""
         if name not in self.files:
             raise ValueError(f"{self.path}: no tensor {name!r} in the checkpoint")
         file = self.files[name]
         if file not in self._open:
             self._open[file] = safe_open(os.path.join(self.path, file), framework="pt")
-        return self._open[file].get_tensor(name)
+        return self._open[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._shard(name).get_tensor(name)
 
     def _slice(self, name: str):
-        self.get(name)  # opens the shard (and names the tensor in the error if it is missing)
-        return self._open[self.files[name]].get_slice(name)
+        """Shape and dtype without reading the tensor."""
+        return self._shard(name).get_slice(name)
 
     def shape(self, name: str) -> torch.Size:
         return torch.Size(self._slice(name).get_shape())
