@@ -3,6 +3,7 @@ golden_values_dev_h200.json (GPU). Regenerate: python tools/golden_values.py reg
 
 import importlib.util
 import json
+import math
 import os
 
 import pytest
@@ -30,3 +31,9 @@ def test_case_matches_its_golden_values(path, tmp_path):
     records = golden_values.run_case(case, str(tmp_path), resume=case.test_type == "ckpt-resume")
     failures = golden_values.compare(golden, records)
     assert not failures, "\n".join(failures)
+    # The same run against a golden file with one loss value moved by one ulp must fail.
+    last = str(golden["loss"]["end_step"])
+    golden["loss"]["values"][last] = math.nextafter(golden["loss"]["values"][last], math.inf)
+    assert golden_values.compare(golden, records) == [
+        f"loss step {last}: {records[int(last)]['loss']!r} != golden {golden['loss']['values'][last]!r}"
+    ]

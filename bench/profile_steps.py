@@ -1,0 +1,153 @@
+"""Where the time goes, in BI and in default mode on the same weights: the wall time of every
+engine step of a generation (the first is the prefill, the rest decode steps), the decode step as
+a fraction of the HBM roofline, and torch-profiler tables (self CPU and self GPU time per op, per
+step) of decode steps and of a packed trainer forward+backward.
+
+  python bench/profile_steps.py <Megatron model flags> --flash-attention-version 4 \
+      --bench-output results/profile_dense16_h200.json
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.report import seconds, write_report  # noqa: E402
+from bench.workload import Workload, add_workload_args, build_workload  # noqa: E402
+
+from megatron_rl_bi import bi  # noqa: E402
+from megatron_rl_bi.config import parse_args, validate_batch_invariance  # noqa: E402
+from megatron_rl_bi.distributed import initialize_distributed  # noqa: E402
+from megatron_rl_bi.models.build import cpu_state_dict  # noqa: E402
+from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
+
+HBM_BYTES_PER_S = 4.3e12  # H200
+PROFILED_DECODE_STEPS = 8
+
+
+def add_profile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    add_workload_args(parser)
+    group = parser.add_argument_group("profile")
+    group.add_argument("--bench-op-rows", type=int, default=25)
+    group.add_argument("--bench-output", default=None)
+    return parser
+
+
+class EngineStepHook:
+    """Wraps the engine's step: records each step's wall time (synchronized) and, when given a
+    profiler, runs it over every step after the first (the decode steps)."""
+
+    def __init__(self, engine):
+        self.engine, self.step = engine, engine.step_modern
+        self.times: list[float] = []
+        self.profiler = None
+        engine.step_modern = self
+
+    def __call__(self, *args, **kwargs):
+        if self.profiler is not None and len(self.times) == 1:
+            self.profiler.start()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = self.step(*args, **kwargs)
+        torch.cuda.synchronize()
+        self.times.append(time.perf_counter() - start)
+        return result
+
+    def run(self, work: Workload, new_tokens: int, profiler=None) -> list[float]:
+        self.times, self.profiler = [], profiler
+        work.generate(new_tokens)
+        if profiler is not None:
+            profiler.stop()
+        return self.times
+
+
+def op_table(profiler, per: int, rows: int) -> dict[str, list[dict]]:
+    """The ops with the most self CPU and self GPU time, in ms per step (`per` steps ran)."""
+    events = [e for e in profiler.key_averages() if e.key != "ProfilerStep*"]
+
+    def row(e) -> dict:
+        return {"op": e.key, "calls_per_step": e.count / per,
+                "self_cpu_ms": e.self_cpu_time_total / 1e3 / per,
+                "self_gpu_ms": e.self_device_time_total / 1e3 / per}
+
+    by = {"by_self_cpu": "self_cpu_time_total", "by_self_gpu": "self_device_time_total"}
+    return {name: [row(e) for e in sorted(events, key=lambda e: getattr(e, key), reverse=True)[:rows]]
+            for name, key in by.items()}
+
+
+def decode_bytes(args, work: Workload, new_tokens: int) -> float:
+    """HBM bytes one decode step must read: the weights (less the input embedding, of which a
+    step reads a row per request, when untied), the attention KV cache at the mean context, and
+    each GDN layer's recurrent state (fp32, read and written)."""
+    params = dict(work.model.named_parameters())
+    weights = sum(p.numel() * p.element_size() for p in params.values())
+    if args.untie_embeddings_and_output_weights:
+        embedding = next(p for name, p in params.items() if name.endswith("word_embeddings.weight"))
+        weights -= embedding.numel() * embedding.element_size()
+    config, pattern = work.model.config, args.hybrid_layer_pattern
+    attention_layers = pattern.count("*") if pattern else config.num_layers
+    context = statistics.mean(len(p) for p in work.prompts) + new_tokens / 2
+    kv_per_token = 2 * config.num_query_groups * config.kv_channels * 2  # K and V, bf16
+    kv = attention_layers * len(work.prompts) * context * kv_per_token
+    gdn = 0.0
+    if pattern and "G" in pattern:
+        state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+        gdn = pattern.count("G") * len(work.prompts) * state * 4 * 2
+    return weights + kv + gdn
+
+
+def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
+    with bi.batch_invariant(batch_invariant):
+        work = build_workload(args, weights)
+        hook = EngineStepHook(work.generator.engine)
+        hook.run(work, args.bench_new_tokens)  # warm-up
+        step_times = hook.run(work, args.bench_new_tokens)
+        decode_s = statistics.median(step_times[1:])
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        train_s = seconds(work.train_step, 3)
+        with profile(activities=activities) as train_profile:
+            work.train_step()
+            torch.cuda.synchronize()
+        decode_profile = profile(activities=activities)
+        hook.run(work, PROFILED_DECODE_STEPS + 1, decode_profile)
+        result = {
+            "prefill_ms": step_times[0] * 1e3,
+            "decode_step_ms_median": decode_s * 1e3,
+            "decode_tokens_per_s": len(work.prompts) / decode_s,
+            "decode_hbm_roofline_fraction": decode_bytes(args, work, args.bench_new_tokens)
+            / decode_s / HBM_BYTES_PER_S,
+            "train_fwd_bwd_s": train_s,
+            "decode_ops": op_table(decode_profile, PROFILED_DECODE_STEPS, args.bench_op_rows),
+            "train_ops": op_table(train_profile, 1, args.bench_op_rows),
+        }
+        state = cpu_state_dict(work.model)
+    return result, state
+
+
+def main() -> None:
+    args = parse_args(extra_args_provider=add_profile_args)
+    validate_batch_invariance(args, batch_invariant=True)
+    initialize_distributed(args.seed)
+    bi_result, weights = measure(args, True, None)
+    torch.cuda.empty_cache()
+    default_result, _ = measure(args, False, weights)
+    report = {
+        **provenance(),
+        "config": {k: str(v) for k, v in vars(args).items() if k.startswith(("bench_", "hidden",
+                   "num_layers", "num_attention", "num_query", "ffn", "hybrid"))},
+        "bi": bi_result,
+        "default": default_result,
+    }
+    keys = ("prefill_ms", "decode_step_ms_median", "decode_hbm_roofline_fraction", "train_fwd_bwd_s")
+    write_report(report, {mode: {k: report[mode][k] for k in keys} for mode in ("bi", "default")},
+                 args.bench_output)
+
+
+if __name__ == "__main__":
+    main()
