@@ -9,7 +9,7 @@ steps=${1:-30}; out=runs/bi_vs_default
 mkdir -p "$out"; rm -f "$out"/default.jsonl "$out"/bi.jsonl
 wide=(--recipe examples/recipes/tiny_sort.yaml --hidden-size 2048 --ffn-hidden-size 5632
       --num-attention-heads 16 --num-query-groups 4 --rl-sft-warmup-steps 60 --rl-sft-lr 3e-4
-      --rl-overlong-buffer 12 --flash-attention-version 4 --train-iters "$steps"
+      --lr 1e-4 --flash-attention-version 4 --train-iters "$steps"
       --save "$out/checkpoints" --save-interval 100000)
 torchrun --nproc-per-node 1 pretrain_rl.py "${wide[@]}" --rl-metrics-jsonl "$out/default.jsonl" \
   --rl-inference-logprobs-is-correction --rl-importance-sampling-truncation-coef 2.0

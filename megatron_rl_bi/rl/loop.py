@@ -61,6 +61,9 @@ class LoopConfig:
     """Export every N steps, and at the end (--save-hf-interval)."""
     eval_interval: int = 0
     """Validation reward every N steps; 0: never (--eval-interval)."""
+    exit_interval: int = 0
+    """Stop after a step divisible by N, with a checkpoint under save_dir (--exit-interval):
+    the rest of the run, schedule included, continues with --load."""
 
 
 def _sft_warmup(ddp, optimizer, task, tokenizer, config: LoopConfig, logger) -> None:
@@ -92,10 +95,23 @@ def _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, task, tokenizer, co
         return 0, 0
     source.load_state_dict(state["source"])
     if lr_scheduler is not None and "lr_scheduler" in state:
-        lr_scheduler.load_state_dict(state["lr_scheduler"])
+        _restore_lr_schedule(lr_scheduler, state["lr_scheduler"], config.load_dir)
     if logger:
         print(f"resumed from {config.load_dir} at step {state['step']}", flush=True)
     return state["step"], state["weight_version"]
+
+
+def _restore_lr_schedule(lr_scheduler, state: dict, load_dir: str) -> None:
+    """megatron-core asserts that the checkpoint's schedule equals the one the flags build."""
+    try:
+        lr_scheduler.load_state_dict(state)
+    except AssertionError as error:
+        raise ValueError(
+            f"--load {load_dir}: the checkpoint's learning-rate schedule differs from this run's "
+            f"({error}). Keep --train-iters and the --lr* flags of the saved run (stop early with "
+            "--exit-interval), or pass --override-opt_param-scheduler to take this run's flags or "
+            "--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule"
+        ) from error
 
 
 def _rl_step(ddp, optimizer, generator, source, tokenizer, rollout_config, step_config,
@@ -123,10 +139,11 @@ def _due(step: int, interval: int, last: bool) -> bool:
 
 
 def _save(step: int, weight_version: int, ddp, optimizer, lr_scheduler, source,
-          config: LoopConfig, hf_model: HFModel | None) -> None:
-    """The Megatron checkpoint (--save) and the Hugging Face export (--save-hf) due at `step`."""
+          config: LoopConfig, hf_model: HFModel | None, exiting: bool) -> None:
+    """The Megatron checkpoint (--save) and the Hugging Face export (--save-hf) due at `step`;
+    `exiting` (--exit-interval) forces the checkpoint, not the export."""
     last = step == config.steps
-    if config.save_dir and _due(step, config.save_interval, last):
+    if config.save_dir and _due(step, config.save_interval, last or exiting):
         rl_state = {"step": step, "weight_version": weight_version, "source": source.state_dict()}
         if lr_scheduler is not None:
             rl_state["lr_scheduler"] = lr_scheduler.state_dict()
@@ -174,4 +191,9 @@ def run_rl(
         metrics["time/eta_s"] = (time.time() - started) / (step - start_step) * (config.steps - step)
         if logger:
             logger.log(step, metrics)
-        _save(step, weight_version, ddp, optimizer, lr_scheduler, source, config, hf_model)
+        exiting = step < config.steps and _due(step, config.exit_interval, last=False)
+        _save(step, weight_version, ddp, optimizer, lr_scheduler, source, config, hf_model, exiting)
+        if exiting:
+            if logger:
+                print(f"--exit-interval {config.exit_interval}: stopping after step {step}", flush=True)
+            return

@@ -15,7 +15,7 @@ def test_resumed_run_repeats_the_uninterrupted_one(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     run_pretrain_rl(*BI, "--train-iters", "8", "--save", str(full / "ckpt"),
                     "--rl-metrics-jsonl", str(full / "m.jsonl"))
-    run_pretrain_rl(*BI, "--train-iters", "3", "--save", str(part / "ckpt"),
+    run_pretrain_rl(*BI, "--train-iters", "8", "--exit-interval", "3", "--save", str(part / "ckpt"),
                     "--rl-metrics-jsonl", str(part / "m.jsonl"))
     run_pretrain_rl(*BI, "--train-iters", "8", "--save", str(part / "ckpt"),
                     "--load", str(part / "ckpt"), "--rl-metrics-jsonl", str(part / "m.jsonl"))

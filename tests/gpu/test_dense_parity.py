@@ -52,12 +52,12 @@ def test_engine_matches_trainer_bitwise_in_bi_mode(bi_model):
 
 
 def test_default_mode_harness_sees_a_mismatch(bi_model, distributed):
-    bi.disable()
-    model = build_dense(batch_invariant=False)
-    model.load_state_dict(bi_model.state_dict())
-    prompts, budgets = random_requests(32, (1, 500), (1, 256), VOCAB_SIZE, seed=7)
-    result = run_parity(model, Generator(model, ENGINE), prompts, budgets,
-                        Sampling(temperature=1.0, seed=7), micro_batch_tokens=6000, orders=1)
+    with bi.batch_invariant(False):  # restored after: later tests use the BI model
+        model = build_dense(batch_invariant=False)
+        model.load_state_dict(bi_model.state_dict())
+        prompts, budgets = random_requests(32, (1, 500), (1, 256), VOCAB_SIZE, seed=7)
+        result = run_parity(model, Generator(model, ENGINE), prompts, budgets,
+                            Sampling(temperature=1.0, seed=7), micro_batch_tokens=6000, orders=1)
     assert result["all_reported"]["bit_wise/logprob_diff/abs_mean"] > 0
 
 

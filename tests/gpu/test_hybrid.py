@@ -107,11 +107,11 @@ def test_engine_matches_trainer_bitwise_before_and_after_a_step(hybrid):
 
 
 def test_default_mode_trains_and_sees_a_mismatch(hybrid):
-    bi.disable()
-    model = _build(batch_invariant=False)
-    model.load_state_dict(hybrid.state_dict())
-    _check_backward(model)
-    prompts, budgets = random_requests(32, (1, 500), (1, 256), VOCAB_SIZE, seed=11)
-    result = run_parity(model, Generator(model, ENGINE), prompts, budgets,
-                        Sampling(temperature=1.0, seed=11), micro_batch_tokens=6000, orders=1)
+    with bi.batch_invariant(False):  # restored after: later tests use the BI model
+        model = _build(batch_invariant=False)
+        model.load_state_dict(hybrid.state_dict())
+        _check_backward(model)
+        prompts, budgets = random_requests(32, (1, 500), (1, 256), VOCAB_SIZE, seed=11)
+        result = run_parity(model, Generator(model, ENGINE), prompts, budgets,
+                            Sampling(temperature=1.0, seed=11), micro_batch_tokens=6000, orders=1)
     assert result["all_reported"]["bit_wise/logprob_diff/abs_mean"] > 0

@@ -20,6 +20,7 @@ from megatron_rl_bi.envs.tokenizer import CharTokenizer
 from megatron_rl_bi.inference import Generation
 from megatron_rl_bi.optimizer import build_lr_scheduler
 from megatron_rl_bi.reporting.metrics import MetricsLogger, read_step_records
+from megatron_rl_bi.rl import loop
 from megatron_rl_bi.rl.loop import run_rl
 
 from .test_rl_step import SGD, TinyDDP
@@ -50,26 +51,30 @@ def cpu_loop(gloo_group, monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
 
 
-def test_a_run(tmp_path, cpu_loop):
-    eval_path = tmp_path / "eval.jsonl"
-    eval_path.write_text('{"prompt": "sort: 321\\n", "answer": "123"}\n')
-    args = parse_rl_args(MODEL + [
-        "--train-iters", "4", "--grpo-prompts-per-step", "2", "--grpo-group-size", "2",
-        "--grpo-iterations", "2", "--lr", "0.1", "--lr-decay-style", "linear",
-        "--rl-sft-warmup-steps", "2", "--rl-sft-batch-size", "2",
-        "--rl-eval-dataset", str(eval_path), "--eval-interval", "2",
-        "--rl-metrics-jsonl", str(tmp_path / "m.jsonl")])
+def _run(tmp_path, flags, eval_examples=None) -> dict[int, dict]:
+    """A run of the stand-in model on the sorting task; its step records."""
+    args = parse_rl_args(MODEL + ["--grpo-prompts-per-step", "2", "--grpo-group-size", "2",
+                                  "--rl-metrics-jsonl", str(tmp_path / "m.jsonl"), *flags])
     model = TinyDDP(vocab_size=TOK.vocab_size)
     optimizer = SGD(model)
-    logger = MetricsLogger(total_steps=4, jsonl_path=args.rl_metrics_jsonl)
+    logger = MetricsLogger(total_steps=args.train_iters, jsonl_path=args.rl_metrics_jsonl)
     run_rl(ddp=model, optimizer=optimizer, generator=SortingEngine(), task=build_task("sort", 0),
            tokenizer=TOK, rollout_config=rollout_config_from_args(args),
            step_config=step_config_from_args(args), sampling=sampling_from_args(args, TOK.eod),
            config=loop_config_from_args(args), logger=logger,
-           lr_scheduler=build_lr_scheduler(args, optimizer),
-           eval_examples=JsonlTask(str(eval_path)).examples)
+           lr_scheduler=build_lr_scheduler(args, optimizer), eval_examples=eval_examples)
     logger.close()
-    records = read_step_records(str(tmp_path / "m.jsonl"))
+    return read_step_records(str(tmp_path / "m.jsonl"))
+
+
+def test_a_run(tmp_path, cpu_loop):
+    eval_path = tmp_path / "eval.jsonl"
+    eval_path.write_text('{"prompt": "sort: 321\\n", "answer": "123"}\n')
+    records = _run(tmp_path, [
+        "--train-iters", "4", "--grpo-iterations", "2", "--lr", "0.1", "--lr-decay-style", "linear",
+        "--rl-sft-warmup-steps", "2", "--rl-sft-batch-size", "2",
+        "--rl-eval-dataset", str(eval_path), "--eval-interval", "2"],
+        eval_examples=JsonlTask(str(eval_path)).examples)
     assert sorted(records) == [1, 2, 3, 4]
     assert [records[s]["weight_version"] for s in (1, 2, 3, 4)] == [2, 4, 6, 8]
     assert [records[s]["lr"] for s in (1, 2, 3, 4)] == pytest.approx([0.0875, 0.0625, 0.0375, 0.0125])
@@ -78,3 +83,23 @@ def test_a_run(tmp_path, cpu_loop):
     assert records[2]["validation_reward/mean"] == 1.0  # request 0 of the eval set is answered right
     header = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])
     assert "run" in header
+
+
+def test_exit_interval_stops_with_a_checkpoint(tmp_path, cpu_loop, monkeypatch):
+    saved = []
+    monkeypatch.setattr(loop, "save_checkpoint", lambda root, step, *a, **k: saved.append(step))
+    records = _run(tmp_path, ["--train-iters", "6", "--exit-interval", "2", "--save",
+                              str(tmp_path / "ckpt"), "--save-interval", "100"])
+    assert sorted(records) == [1, 2] and saved == [2]
+
+
+def test_a_checkpoint_of_another_schedule_is_refused_naming_the_flags():
+    def scheduler(train_iters):
+        args = parse_rl_args(MODEL + ["--train-iters", str(train_iters), "--lr-decay-style", "linear"])
+        return build_lr_scheduler(args, SGD(TinyDDP(vocab_size=TOK.vocab_size)))
+
+    state = scheduler(10).state_dict()
+    loop._restore_lr_schedule(scheduler(10), state, "ckpt")  # the same flags: restored
+    with pytest.raises(ValueError, match=r"--load ckpt: .*--train-iters.*--exit-interval.*"
+                                         r"--override-opt_param-scheduler"):
+        loop._restore_lr_schedule(scheduler(5), state, "ckpt")
