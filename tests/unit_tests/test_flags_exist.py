@@ -43,7 +43,7 @@ def _known_flags() -> set[str]:
         return bi_overhead.add_bench_args(check_parity.add_parity_args(add_hf_args(add_rl_args(parser))))
 
     parsers = [build_parser(ours), build_parser(_module("bench/profile_steps.py").add_profile_args),
-               _module("bench/gdn_rule.py").build_parser(),
+               _module("bench/gdn_rule.py").build_parser(), _module("bench/gemm.py").build_parser(),
                _module("tools/plot_metrics.py").build_parser()]
     return {flag for parser in parsers for action in parser._actions for flag in action.option_strings}
 

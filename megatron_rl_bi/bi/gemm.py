@@ -1,0 +1,134 @@
+"""The batch-invariant GEMM behind aten::mm and aten::addmm in BI mode (bf16/fp16).
+
+megatron-core's `matmul_persistent` is batch-invariant but takes ~3.3x cuBLAS's time on the
+H200 (pointer loads, 128x128 tiles). This kernel is persistent too, and loads its tiles with TMA
+(host tensor descriptors, out-of-bounds zero-filled, so no masks). What keeps an output row's
+bits independent of how many rows run with it: no split-K, and K reduced in order in BLOCK_K
+steps into one fp32 accumulator per tile. The M/N tile sizes are picked by M (small tiles for
+decode-sized M); on the H200 the bits were found not to depend on them (`tests/gpu`
+test_bi_gemm checks every config used). fp32 inputs, and tensors TMA cannot describe (a
+16-byte-misaligned base or stride), go to megatron-core's kernel.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from megatron.core.transformer.custom_layers import batch_invariant_kernels as _mcore_bik
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+BLOCK_K = 64
+GROUP_M = 8
+_TMA_ALIGNMENT_BYTES = 16
+_MCORE_MATMUL = _mcore_bik.matmul_persistent
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_stages: int
+    num_warps: int
+
+
+# (largest M, config), first match wins; every config reduces K the same way.
+TILE_CONFIGS = (
+    (64, TileConfig(64, 128, 4, 4)),
+    (256, TileConfig(128, 128, 4, 8)),
+    (None, TileConfig(128, 256, 3, 8)),
+)
+
+
+def tile_config(m: int) -> TileConfig:
+    return next(config for limit, config in TILE_CONFIGS if limit is None or m <= limit)
+
+
+@triton.jit
+def _tile_coordinates(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """Tiles in groups of GROUP_M row blocks, so neighbouring programs share B tiles in L2."""
+    tiles_per_group = GROUP_M * num_n
+    first_m = (tile // tiles_per_group) * GROUP_M
+    group_rows = min(num_m - first_m, GROUP_M)
+    return first_m + (tile % tiles_per_group) % group_rows, (tile % tiles_per_group) // group_rows
+
+
+@triton.jit
+def _persistent_matmul(
+    a_desc, b_desc, c_desc, bias_ptr, M, N, K, num_programs,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    A_COLUMN_MAJOR: tl.constexpr, B_COLUMN_MAJOR: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """C[M, N] = A[M, K] @ B[K, N] (+ bias[N]). A column-major A is described as its [K, M]
+    transpose, a column-major B as its [N, K] transpose."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, num_programs):
+        pid_m, pid_n = _tile_coordinates(tile, num_m, num_n, GROUP_M)
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            if A_COLUMN_MAJOR:
+                a = a_desc.load([k, off_m]).T
+            else:
+                a = a_desc.load([off_m, k])
+            if B_COLUMN_MAJOR:
+                b = b_desc.load([off_n, k]).T
+            else:
+                b = b_desc.load([k, off_n])
+            accumulator = tl.dot(a, b, accumulator)
+        if HAS_BIAS:
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            accumulator += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        c_desc.store([off_m, off_n], accumulator.to(c_desc.dtype))
+
+
+def _tma_view(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """`t` [R, C] as a row-major tensor TMA can describe: (t, False) or, for a column-major t,
+    (t.T, True); a copy when t is neither; None when the base or a stride is misaligned."""
+    if t.stride(1) == 1 and t.stride(0) >= t.shape[1]:
+        view, column_major = t, False
+    elif t.stride(0) == 1 and t.stride(1) >= t.shape[0]:
+        view, column_major = t.T, True
+    else:
+        view, column_major = t.contiguous(), False
+    aligned = (view.data_ptr() % _TMA_ALIGNMENT_BYTES == 0
+               and view.stride(0) * view.element_size() % _TMA_ALIGNMENT_BYTES == 0)
+    return (view, column_major) if aligned else None
+
+
+def _num_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the Triton interpreter (CPU tests)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+           config: TileConfig | None = None) -> torch.Tensor:
+    """a [M, K] @ b [K, N] (+ bias [N]) in a's dtype, each row computed the same way for any M.
+    `config` overrides the tile picked by M (the tests run every config)."""
+    if a.dtype != b.dtype or a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul of {tuple(a.shape)} {a.dtype} and {tuple(b.shape)} {b.dtype}")
+    (m, k), n = a.shape, b.shape[1]
+    c = torch.empty((m, n), device=a.device, dtype=a.dtype)
+    if m == 0 or n == 0:
+        return c
+    if k == 0:
+        return c.zero_() if bias is None else c.copy_(bias.expand(m, n))
+    a_view, b_view = _tma_view(a), _tma_view(b)
+    if a.dtype not in (torch.bfloat16, torch.float16) or a_view is None or b_view is None:
+        return _MCORE_MATMUL(a, b, bias)
+    config = config or tile_config(m)
+    (a_tma, a_column_major), (b_tma, b_column_major) = a_view, b_view
+    a_block = [BLOCK_K, config.block_m] if a_column_major else [config.block_m, BLOCK_K]
+    b_block = [config.block_n, BLOCK_K] if b_column_major else [BLOCK_K, config.block_n]
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    programs = min(_num_programs(a.device), tiles)
+    _persistent_matmul[(programs,)](
+        TensorDescriptor.from_tensor(a_tma, a_block), TensorDescriptor.from_tensor(b_tma, b_block),
+        TensorDescriptor.from_tensor(c, [config.block_m, config.block_n]), bias, m, n, k, programs,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
+        A_COLUMN_MAJOR=a_column_major, B_COLUMN_MAJOR=b_column_major, HAS_BIAS=bias is not None,
+        num_stages=config.num_stages, num_warps=config.num_warps,
+    )
+    return c
