@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         eval_examples = eval_examples and [with_reward_fn(e, reward_fn) for e in eval_examples]
     hf_model = read_hf_model(args.hf_checkpoint) if args.hf_checkpoint else None
 
-    initialize_distributed(args.seed)
+    initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
     with bi.batch_invariant(args.batch_invariant_mode):
         model = build_policy(args, tokenizer, hf_model)
         ddp, optimizer = build_ddp_and_optimizer(args, model)

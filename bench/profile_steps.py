@@ -133,7 +133,7 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
 def main() -> None:
     args = parse_args(extra_args_provider=add_profile_args)
     validate_batch_invariance(args, batch_invariant=True)
-    initialize_distributed(args.seed)
+    initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
     bi_result, weights = measure(args, True, None)
     torch.cuda.empty_cache()
     default_result, _ = measure(args, False, weights)

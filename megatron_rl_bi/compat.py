@@ -88,3 +88,15 @@ def hybrid_stack_final_norm(norm_class):
         yield
     finally:
         hybrid_block.TENorm = original
+
+
+def full_precision_graph_logits(controller) -> None:
+    """megatron-core 0.19.2's TextGenerationController, for a model with cuda_graph_impl local,
+    copies each step's logits into a buffer of the params dtype (bf16) and samples from it (the
+    torch backend then divides by the temperature and takes the softmax in bf16), where the
+    eager path samples from the fp32 logits Float16Module returns. The buffer is replaced by an
+    fp32 one of the same shape, so a step samples the same tokens with graphs as without. Remove
+    once upstream sizes the buffer in the logits' dtype."""
+    buffer = controller._all_logits_cuda
+    if buffer is not None and buffer.dtype != torch.float32:
+        controller._all_logits_cuda = torch.zeros_like(buffer, dtype=torch.float32)

@@ -10,8 +10,10 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 
-def initialize_distributed(seed: int) -> None:
-    """One process per GPU (torchrun or a single plain process); TP = PP = 1."""
+def initialize_distributed(seed: int, cuda_graphs: bool = False) -> None:
+    """One process per GPU (torchrun or a single plain process); TP = PP = 1. With `cuda_graphs`
+    (--cuda-graph-impl local) the RNG tracker is the graph-safe one megatron-core's graph
+    manager requires."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     if not torch.distributed.is_initialized():
@@ -26,7 +28,7 @@ def initialize_distributed(seed: int) -> None:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=1, pipeline_model_parallel_size=1
         )
-    model_parallel_cuda_manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graphs)
 
 
 @dataclass

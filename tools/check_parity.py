@@ -83,7 +83,7 @@ def summarize(result: dict) -> dict:
 def main() -> None:
     args = parse_args(extra_args_provider=add_parity_args)
     check_request_sizes(args)
-    initialize_distributed(args.seed)
+    initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
     prompts, budgets = random_requests(
         args.parity_requests, tuple(args.parity_prompt_lengths),
         tuple(args.parity_max_new_tokens), args.parity_vocab_size, args.seed,

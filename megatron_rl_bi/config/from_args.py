@@ -23,6 +23,9 @@ def engine_config_from_args(args: argparse.Namespace, prompt_logprobs: bool = Fa
         block_size_tokens=args.inference_dynamic_batching_block_size,
         prompt_logprobs=prompt_logprobs,
         processed_logprobs=temperature != 1.0,
+        cuda_graphs=(args.inference_dynamic_batching_num_cuda_graphs
+                     if args.cuda_graph_impl == "local" else None),
+        cuda_graphs_decode_only=args.decode_only_cuda_graphs,
     )
 
 

@@ -101,6 +101,26 @@ def validate_batch_invariance(args: argparse.Namespace, batch_invariant: bool | 
         raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))
 
 
+def validate_cuda_graphs(args: argparse.Namespace) -> None:
+    """CUDA graphs here are the dynamic engine's, over the whole decoder block (the trainer stays
+    eager): one ValueError naming every flag that asks for anything else."""
+    if args.cuda_graph_impl == "none":
+        return
+    errors = []
+    if args.cuda_graph_impl != "local":
+        errors.append(f"--cuda-graph-impl {args.cuda_graph_impl}: only local (the engine's graphs)")
+    if args.inference_cuda_graph_scope != "block":
+        errors.append(f"--inference-cuda-graph-scope {args.inference_cuda_graph_scope}: use block "
+                      "(layer scope also records graphs of the trainer's forward)")
+    if args.cuda_graph_modules:
+        errors.append("--cuda-graph-modules: leave it unset (whole block)")
+    if args.hybrid_layer_pattern:
+        errors.append("--cuda-graph-impl local with --hybrid-layer-pattern: the GDN layers' engine "
+                      "path is not capturable yet")
+    if errors:
+        raise ValueError("invalid CUDA graph arguments:\n  " + "\n  ".join(errors))
+
+
 def _provider(extra_args_provider):
     def provider(parser):
         parser = add_defaults(parser)
@@ -138,5 +158,6 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None) -> argpa
     finally:
         sys.argv = saved_argv
     validate_batch_invariance(args)
+    validate_cuda_graphs(args)
     validate_args(args)
     return args

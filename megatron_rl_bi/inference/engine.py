@@ -27,7 +27,7 @@ from megatron.core.inference.utils import InferenceMode
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
 from megatron.core.utils import get_attr_wrapped_model
 
-from megatron_rl_bi import bi
+from megatron_rl_bi import bi, compat
 
 
 @dataclass(kw_only=True)
@@ -49,6 +49,12 @@ class EngineConfig:
     processed_logprobs: bool = False
     """Report logprobs of the distribution sampled from (logits divided by the temperature)
     rather than of the raw logits: on whenever the temperature is not 1."""
+    cuda_graphs: int | None = None
+    """CUDA graphs of the decoder block the engine captures at construction, per batch size
+    (megatron-core's num_cuda_graphs; -1: its own count); None: eager. The model must be built
+    with --cuda-graph-impl local --inference-cuda-graph-scope block."""
+    cuda_graphs_decode_only: bool = False
+    """Graphs for decode-only steps alone (--decode-only-cuda-graphs)."""
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -126,6 +132,9 @@ class Generator:
                 f"but the BI switch is {'on' if bi.enabled() else 'off'}: build the model after "
                 "setting the switch (--batch-invariant-mode)"
             )
+        if config.cuda_graphs is not None and model.config.cuda_graph_impl != "local":
+            raise ValueError("engine CUDA graphs need the model built with --cuda-graph-impl local "
+                             "--inference-cuda-graph-scope block")
         self.model = model
         self.config = config
         inference_config = InferenceConfig(
@@ -140,13 +149,20 @@ class Generator:
             logprobs_mode="processed_logprobs" if config.processed_logprobs else "raw_logprobs",
             # The trainer reproduces the torch backend's processed logprobs (bi.sampling_logits).
             sampling_backend="torch",
-            num_cuda_graphs=None,
+            num_cuda_graphs=config.cuda_graphs,
+            use_cuda_graphs_for_non_decode_steps=not config.cuda_graphs_decode_only,
             mamba_inference_state_config=gdn_inference_state_config(model),
         )
         context = DynamicInferenceContext(model.config, inference_config)
         controller = TextGenerationController(GPTInferenceWrapper(model, context), _TokenIdsOnly())
-        self.engine = DynamicInferenceEngine(controller, context)
-        InferenceMode.unset_active()
+        compat.full_precision_graph_logits(controller)
+        was_training = model.training
+        model.eval()  # graphs are captured here, of the forward generate() runs
+        try:
+            self.engine = DynamicInferenceEngine(controller, context)
+        finally:
+            InferenceMode.unset_active()
+            model.train(was_training)
 
     def check_prompt_lengths(self, lengths: list[int]) -> None:
         limit = self.config.max_prompt_tokens

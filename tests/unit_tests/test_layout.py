@@ -18,7 +18,7 @@ ALLOWED = {
     "bi": {"compat"},
     "attention": {"bi", "packing"},
     "models": {"bi", "compat", "attention", "packing"},
-    "inference": {"bi"},
+    "inference": {"bi", "compat"},
     "parity": {"distributed", "packing", "models", "inference"},
     "envs": set(),
     "reporting": set(),

@@ -107,3 +107,25 @@ def test_top_k_and_top_p_are_refused_and_temperature_reaches_both_sides():
     assert sampling_from_args(args, eod_id=2).temperature == 0.7
     assert engine_config_from_args(args, temperature=args.rl_default_temperature).processed_logprobs
     assert not engine_config_from_args(parse_rl_args(MODEL)).processed_logprobs
+
+
+def test_engine_cuda_graphs_come_from_megatrons_flags():
+    from megatron_rl_bi.config.from_args import engine_config_from_args
+
+    assert engine_config_from_args(parse_rl_args(MODEL)).cuda_graphs is None
+    graphs = ["--cuda-graph-impl", "local", "--inference-cuda-graph-scope", "block"]
+    config = engine_config_from_args(parse_rl_args(MODEL + graphs + [
+        "--inference-dynamic-batching-num-cuda-graphs", "-1", "--decode-only-cuda-graphs"]))
+    assert (config.cuda_graphs, config.cuda_graphs_decode_only) == (-1, True)
+
+
+def test_cuda_graphs_other_than_the_engines_block_graphs_are_refused_naming_each_flag():
+    with pytest.raises(ValueError) as error:
+        parse_rl_args(MODEL + ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
+                               "--hybrid-layer-pattern", "G-*-"])
+    message = str(error.value)
+    for expected in ("--inference-cuda-graph-scope None: use block", "--cuda-graph-modules",
+                     "--cuda-graph-impl local with --hybrid-layer-pattern"):
+        assert expected in message
+    with pytest.raises(ValueError, match="--cuda-graph-impl transformer_engine: only local"):
+        parse_rl_args(MODEL + ["--cuda-graph-impl", "transformer_engine"])
