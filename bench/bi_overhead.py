@@ -10,18 +10,13 @@ import argparse
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.report import seconds, write_report  # noqa: E402
-from bench.workload import add_workload_args, build_workload  # noqa: E402
+from bench.workload import add_workload_args, build_workload, run_in_both_modes  # noqa: E402
 
 from megatron_rl_bi import bi  # noqa: E402
-from megatron_rl_bi.config import parse_args, validate_batch_invariance  # noqa: E402
-from megatron_rl_bi.distributed import initialize_distributed  # noqa: E402
 from megatron_rl_bi.models.build import cpu_state_dict  # noqa: E402
-from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -46,22 +41,9 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
 
 
 def main() -> None:
-    args = parse_args(extra_args_provider=add_bench_args)
-    validate_batch_invariance(args, batch_invariant=True)
-    initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
-    bi_result, weights = measure(args, True, None)
-    torch.cuda.empty_cache()  # the BI model and its engine are gone with measure's frame
-    default_result, _ = measure(args, False, weights)
-    report = {
-        **provenance(),
-        "config": {k: str(v) for k, v in vars(args).items() if k.startswith(("bench_", "hidden",
-                   "num_layers", "num_attention", "num_query", "ffn", "hybrid"))},
-        "bi": bi_result,
-        "default": default_result,
-        "ratios_bi_over_default": {k: bi_result[k] / default_result[k] for k in bi_result},
-    }
+    args, report = run_in_both_modes(add_bench_args, measure)
+    report["ratios_bi_over_default"] = {k: report["bi"][k] / report["default"][k] for k in report["bi"]}
     write_report(report, report["ratios_bi_over_default"], args.bench_output)
-
 
 if __name__ == "__main__":
     main()

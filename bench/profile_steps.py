@@ -19,13 +19,10 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.report import seconds, write_report  # noqa: E402
-from bench.workload import Workload, add_workload_args, build_workload  # noqa: E402
+from bench.workload import Workload, add_workload_args, build_workload, run_in_both_modes  # noqa: E402
 
 from megatron_rl_bi import bi  # noqa: E402
-from megatron_rl_bi.config import parse_args, validate_batch_invariance  # noqa: E402
-from megatron_rl_bi.distributed import initialize_distributed  # noqa: E402
 from megatron_rl_bi.models.build import cpu_state_dict  # noqa: E402
-from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12  # H200
 PROFILED_DECODE_STEPS = 8
@@ -131,23 +128,10 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
 
 
 def main() -> None:
-    args = parse_args(extra_args_provider=add_profile_args)
-    validate_batch_invariance(args, batch_invariant=True)
-    initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
-    bi_result, weights = measure(args, True, None)
-    torch.cuda.empty_cache()
-    default_result, _ = measure(args, False, weights)
-    report = {
-        **provenance(),
-        "config": {k: str(v) for k, v in vars(args).items() if k.startswith(("bench_", "hidden",
-                   "num_layers", "num_attention", "num_query", "ffn", "hybrid"))},
-        "bi": bi_result,
-        "default": default_result,
-    }
+    args, report = run_in_both_modes(add_profile_args, measure)
     keys = ("prefill_ms", "decode_step_ms_median", "decode_hbm_roofline_fraction", "train_fwd_bwd_s")
     write_report(report, {mode: {k: report[mode][k] for k in keys} for mode in ("bi", "default")},
                  args.bench_output)
-
 
 if __name__ == "__main__":
     main()

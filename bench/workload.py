@@ -2,16 +2,20 @@
 requests and a packed trainer batch of the same model."""
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from megatron_rl_bi.config import parse_args, validate_batch_invariance
 from megatron_rl_bi.config.from_args import engine_config_from_args
+from megatron_rl_bi.distributed import initialize_distributed
 from megatron_rl_bi.inference import Generator, Sampling
 from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.models.logprobs import forward_logprobs
 from megatron_rl_bi.packing import PackedBatch, pack_sequences
 from megatron_rl_bi.parity.harness import random_requests
+from megatron_rl_bi.reporting.provenance import provenance
 
 TRAIN_SEQUENCE_TOKENS = 512
 
@@ -52,3 +56,19 @@ def build_workload(args: argparse.Namespace, weights: dict | None = None) -> Wor
     lengths = [TRAIN_SEQUENCE_TOKENS] * (args.bench_train_tokens // TRAIN_SEQUENCE_TOKENS)
     batch = pack_sequences([prompts[i % len(prompts)][:1] * n for i, n in enumerate(lengths)]).to("cuda")
     return Workload(model, Generator(model, engine_config_from_args(args)), prompts, batch)
+
+
+def run_in_both_modes(extra_args_provider, measure: Callable) -> tuple[argparse.Namespace, dict]:
+    """Parses the flags, then `measure(args, batch_invariant, weights) -> (result, weights)` in
+    BI mode and in default mode on the BI run's weights; the report (provenance, config, both
+    results) and the flags."""
+    args = parse_args(extra_args_provider=extra_args_provider)
+    validate_batch_invariance(args, batch_invariant=True)
+    initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
+    bi_result, weights = measure(args, True, None)
+    torch.cuda.empty_cache()  # the BI model and its engine are gone with measure's frame
+    default_result, _ = measure(args, False, weights)
+    config = {k: str(v) for k, v in vars(args).items()
+              if k.startswith(("bench_", "hidden", "num_layers", "num_attention", "num_query", "ffn",
+                               "hybrid", "cuda_graph", "inference_cuda_graph"))}
+    return args, {**provenance(), "config": config, "bi": bi_result, "default": default_result}
