@@ -114,9 +114,9 @@ def validate_cuda_graphs(args: argparse.Namespace) -> None:
                       "(layer scope also records graphs of the trainer's forward)")
     if args.cuda_graph_modules:
         errors.append("--cuda-graph-modules: leave it unset (whole block)")
-    if args.hybrid_layer_pattern:
-        errors.append("--cuda-graph-impl local with --hybrid-layer-pattern: the GDN layers' engine "
-                      "path is not capturable yet")
+    if args.hybrid_layer_pattern and not args.decode_only_cuda_graphs:
+        errors.append("--cuda-graph-impl local with --hybrid-layer-pattern needs "
+                      "--decode-only-cuda-graphs (GDN layers are captured in decode-only steps)")
     if errors:
         raise ValueError("invalid CUDA graph arguments:\n  " + "\n  ".join(errors))
 

@@ -80,10 +80,13 @@ class SwitchedGatedDeltaNet(GatedDeltaNet):
 
     def _engine_forward(self, hidden_states, context):
         """Active tokens are [decode requests' tokens..., prefill requests' tokens..., padding]
-        (megatron-core pads decode requests only in decode-only steps without CUDA graphs)."""
+        (eager steps pad decode requests only in decode-only steps; steps under a CUDA graph run
+        `_graphed_decode_forward`)."""
         if context.num_speculative_tokens:
             raise NotImplementedError("GDN layers with speculative decoding")
         conv_state, rule_state = context.mamba_states_cache(self.layer_number)
+        if context.using_cuda_graph_this_step():
+            return self._graphed_decode_forward(hidden_states, context, conv_state, rule_state)
         metadata, dims = context.mamba_metadata, context.batch_dimensions
         num_decode, num_prefill = dims.decode_req_count, dims.prefill_req_count
         # decode requests are 1-token sequences; cu_seqlens_list is the prefills' own, from 0
@@ -109,15 +112,38 @@ class SwitchedGatedDeltaNet(GatedDeltaNet):
         padded[:real, 0] = out
         return padded, bias
 
+    def _graphed_decode_forward(self, hidden_states, context, conv_state, rule_state):
+        """A decode-only step captured in, or replayed from, a CUDA graph: shapes from the padded
+        batch, request slots read on the device (-1 marks a padding row), nothing from the host.
+        Padding rows run on slot 0's states; their outputs are ignored and their states dropped."""
+        if context.padded_batch_dimensions.prefill_req_count:
+            raise NotImplementedError("GDN layers under CUDA graphs run decode-only steps only "
+                                      "(--decode-only-cuda-graphs)")
+        count = hidden_states.shape[0]
+        slots = context.mamba_metadata.batch_indices_decode[:count]
+        cu_seqlens = torch.arange(count + 1, dtype=torch.int32, device=hidden_states.device)
+        # fla derives these from cu_seqlens on the host; every sequence is one token: chunk 0
+        chunk_indices = torch.stack([cu_seqlens[:-1], torch.zeros_like(cu_seqlens[:-1])], dim=1)
+        rows = slots.clamp(min=0).long()
+        out, bias, conv_final, rule_final = self._varlen_core(
+            hidden_states[:, 0], cu_seqlens, conv_state[rows], rule_state[rows],
+            recurrent=self._recurrent(decode_only=True), chunk_indices=chunk_indices,
+        )
+        tensor_masked_update(conv_state, slots, conv_final)
+        tensor_masked_update(rule_state, slots, rule_final)
+        return out.unsqueeze(1), bias
+
     @staticmethod
     def _recurrent(decode_only: bool) -> bool:
         """The rule's forward kernel: recurrent in BI mode (one kernel for every call shape) and
         for decode-only engine steps; chunked otherwise."""
         return bi.enabled() or decode_only
 
-    def _varlen_core(self, tokens, cu_seqlens, conv_initial, rule_initial, recurrent: bool):
+    def _varlen_core(self, tokens, cu_seqlens, conv_initial, rule_initial, recurrent: bool,
+                     chunk_indices=None):
         """tokens [T, h] of N sequences (cu_seqlens [N + 1]), initial states [N, D, W] and
-        [N, HV, K, V] -> (output [T, h], out_proj bias, final conv and rule states)."""
+        [N, HV, K, V] -> (output [T, h], out_proj bias, final conv and rule states).
+        `chunk_indices`: the conv's (sequence, chunk) pairs, else fla derives them."""
         num_tokens = tokens.shape[0]
         projected, _ = self.in_proj(tokens.unsqueeze(1))  # [T, 1, P]
         qkv, gate, beta, alpha = torch.split(projected.transpose(0, 1), self.feat_dim_split, dim=-1)
@@ -125,6 +151,7 @@ class SwitchedGatedDeltaNet(GatedDeltaNet):
             x=qkv, weight=self.conv1d.weight.squeeze(1),
             bias=self.conv1d.bias if self.conv_bias else None, activation=self.activation,
             initial_state=conv_initial, output_final_state=True, cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_indices,
         )
         query, key, value = self._heads(qkv, num_tokens)
         g = -self.A_log.exp() * F.softplus(alpha.float() + self.dt_bias)  # fp32, [1, T, HV]

@@ -125,7 +125,7 @@ def test_cuda_graphs_other_than_the_engines_block_graphs_are_refused_naming_each
                                "--hybrid-layer-pattern", "G-*-"])
     message = str(error.value)
     for expected in ("--inference-cuda-graph-scope None: use block", "--cuda-graph-modules",
-                     "--cuda-graph-impl local with --hybrid-layer-pattern"):
+                     "--cuda-graph-impl local with --hybrid-layer-pattern needs --decode-only-cuda-graphs"):
         assert expected in message
     with pytest.raises(ValueError, match="--cuda-graph-impl transformer_engine: only local"):
         parse_rl_args(MODEL + ["--cuda-graph-impl", "transformer_engine"])
