@@ -13,7 +13,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.report import seconds, write_report  # noqa: E402
-from bench.workload import add_workload_args, build_workload, run_in_both_modes  # noqa: E402
+from bench.workload import (  # noqa: E402
+    add_workload_args,
+    build_workload,
+    check_bi_parity,
+    run_in_both_modes,
+)
 
 from megatron_rl_bi import bi  # noqa: E402
 from megatron_rl_bi.models.build import cpu_state_dict  # noqa: E402
@@ -35,6 +40,7 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
         result = {
             "train_fwd_bwd_s": seconds(work.train_step, args.bench_repeats),
             "generate_s": seconds(lambda: work.generate(args.bench_new_tokens), args.bench_repeats),
+            "parity_max": work.parity_max(),
         }
         state = cpu_state_dict(work.model)
     return result, state
@@ -42,8 +48,10 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
 
 def main() -> None:
     args, report = run_in_both_modes(add_bench_args, measure)
-    report["ratios_bi_over_default"] = {k: report["bi"][k] / report["default"][k] for k in report["bi"]}
+    report["ratios_bi_over_default"] = {k: report["bi"][k] / report["default"][k]
+                                        for k in ("train_fwd_bwd_s", "generate_s")}
     write_report(report, report["ratios_bi_over_default"], args.bench_output)
+    check_bi_parity(report)
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,13 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.report import seconds, write_report  # noqa: E402
-from bench.workload import Workload, add_workload_args, build_workload, run_in_both_modes  # noqa: E402
+from bench.workload import (  # noqa: E402
+    Workload,
+    add_workload_args,
+    build_workload,
+    check_bi_parity,
+    run_in_both_modes,
+)
 
 from megatron_rl_bi import bi  # noqa: E402
 from megatron_rl_bi.models.build import cpu_state_dict  # noqa: E402
@@ -122,6 +128,7 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
             "train_fwd_bwd_s": train_s,
             "decode_ops": op_table(decode_profile, PROFILED_DECODE_STEPS, args.bench_op_rows),
             "train_ops": op_table(train_profile, 1, args.bench_op_rows),
+            "parity_max": work.parity_max(),
         }
         state = cpu_state_dict(work.model)
     return result, state
@@ -129,9 +136,11 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
 
 def main() -> None:
     args, report = run_in_both_modes(add_profile_args, measure)
-    keys = ("prefill_ms", "decode_step_ms_median", "decode_hbm_roofline_fraction", "train_fwd_bwd_s")
+    keys = ("prefill_ms", "decode_step_ms_median", "decode_hbm_roofline_fraction", "train_fwd_bwd_s",
+            "parity_max")
     write_report(report, {mode: {k: report[mode][k] for k in keys} for mode in ("bi", "default")},
                  args.bench_output)
+    check_bi_parity(report)
 
 if __name__ == "__main__":
     main()

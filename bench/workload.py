@@ -14,10 +14,11 @@ from megatron_rl_bi.inference import Generator, Sampling
 from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.models.logprobs import forward_logprobs
 from megatron_rl_bi.packing import PackedBatch, pack_sequences
-from megatron_rl_bi.parity.harness import random_requests
+from megatron_rl_bi.parity.harness import random_requests, run_parity
 from megatron_rl_bi.reporting.provenance import provenance
 
 TRAIN_SEQUENCE_TOKENS = 512
+PARITY_REQUESTS, PARITY_NEW_TOKENS = 8, 32
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -46,6 +47,14 @@ class Workload:
     def generate(self, new_tokens: int) -> None:
         self.generator.generate(self.prompts, Sampling(max_new_tokens=new_tokens, seed=0))
 
+    def parity_max(self) -> float:
+        """The largest |engine - trainer| logprob over a few requests (0 in BI mode): a speed-up
+        that changes one side's bits fails the bench."""
+        prompts = self.prompts[:PARITY_REQUESTS]
+        result = run_parity(self.model, self.generator, prompts, [PARITY_NEW_TOKENS] * len(prompts),
+                            Sampling(seed=0), micro_batch_tokens=16384, orders=1)
+        return result["all_reported"]["bit_wise/logprob_diff/max"]
+
 
 def build_workload(args: argparse.Namespace, weights: dict | None = None) -> Workload:
     """The model (with `weights` if given) in the current BI mode; prompts of 64-512 tokens."""
@@ -60,8 +69,8 @@ def build_workload(args: argparse.Namespace, weights: dict | None = None) -> Wor
 
 def run_in_both_modes(extra_args_provider, measure: Callable) -> tuple[argparse.Namespace, dict]:
     """Parses the flags, then `measure(args, batch_invariant, weights) -> (result, weights)` in
-    BI mode and in default mode on the BI run's weights; the report (provenance, config, both
-    results) and the flags."""
+    BI mode and in default mode on the BI run's weights (each result holds `parity_max`); the
+    report (provenance, config, both results) and the flags."""
     args = parse_args(extra_args_provider=extra_args_provider)
     validate_batch_invariance(args, batch_invariant=True)
     initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
@@ -72,3 +81,9 @@ def run_in_both_modes(extra_args_provider, measure: Callable) -> tuple[argparse.
               if k.startswith(("bench_", "hidden", "num_layers", "num_attention", "num_query", "ffn",
                                "hybrid", "cuda_graph", "inference_cuda_graph"))}
     return args, {**provenance(), "config": config, "bi": bi_result, "default": default_result}
+
+
+def check_bi_parity(report: dict) -> None:
+    """After the report is written: exit 1 unless BI mode kept engine/trainer parity."""
+    if report["bi"]["parity_max"] != 0.0:
+        raise SystemExit(f"BI parity broken: engine vs trainer max |diff| {report['bi']['parity_max']}")
