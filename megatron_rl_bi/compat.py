@@ -100,3 +100,36 @@ def full_precision_graph_logits(controller) -> None:
     buffer = controller._all_logits_cuda
     if buffer is not None and buffer.dtype != torch.float32:
         controller._all_logits_cuda = torch.zeros_like(buffer, dtype=torch.float32)
+
+
+def one_call_packed_rope() -> None:
+    """megatron-core 0.19.2 applies unfused rope to packed (THD) sequences one sequence at a
+    time (`rope_utils._apply_rotary_pos_emb_thd`: two host syncs, then ~10 small kernels per
+    sequence, per layer, for q and k, forward and backward). Without context parallelism this
+    gathers each token's frequencies by its position in its sequence and makes the same
+    elementwise calls once for the whole batch: the same operations on the same values, so the
+    same bits (tests/unit_tests/test_packed_rope.py). Idempotent. Remove once upstream applies
+    THD rope in one call."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if getattr(rope_utils._apply_rotary_pos_emb_thd, "one_call", False):
+        return
+    upstream = rope_utils._apply_rotary_pos_emb_thd
+
+    def packed_rope(t, cu_seqlens, freqs, rotary_interleaved=False, mla_rotary_interleaved=False,
+                    mscale=1.0, cp_group=None, multi_latent_attention=None):
+        total = t.shape[0]
+        if (cp_group is None or cp_group.size() != 1 or freqs.size(0) == total
+                or multi_latent_attention is not None):
+            return upstream(t, cu_seqlens, freqs, rotary_interleaved, mla_rotary_interleaved,
+                            mscale, cp_group, multi_latent_attention)
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths, output_size=total)
+        positions = torch.arange(total, device=t.device) - starts
+        return rope_utils._apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1), freqs[positions], rotary_interleaved=rotary_interleaved,
+            mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale,
+        ).squeeze(1)
+
+    packed_rope.one_call = True
+    rope_utils._apply_rotary_pos_emb_thd = packed_rope
