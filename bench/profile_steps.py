@@ -1,6 +1,6 @@
 """Where the time goes, in BI and in default mode on the same weights: the wall time of every
-engine step of a generation (the first is the prefill, the rest decode steps), the decode step as
-a fraction of the HBM roofline, and torch-profiler tables (self CPU and self GPU time per op, per
+engine step of a generation (the first is the prefill, the rest decode steps; their sum is the
+generation's time), the decode step as a fraction of the HBM roofline, and torch-profiler tables (self CPU and self GPU time per op, per
 step) of decode steps and of a packed trainer forward+backward.
 
   python bench/profile_steps.py <Megatron model flags> --flash-attention-version 4 \
@@ -120,6 +120,7 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
         decode_profile = profile(activities=activities)
         hook.run(work, PROFILED_DECODE_STEPS + 1, decode_profile)
         result = {
+            "generate_s": sum(step_times),
             "prefill_ms": step_times[0] * 1e3,
             "decode_step_ms_median": decode_s * 1e3,
             "decode_tokens_per_s": len(work.prompts) / decode_s,

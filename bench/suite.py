@@ -1,0 +1,139 @@
+"""The benchmark of record: the three models of issue 10 through bench/profile_steps.py (BI and
+default on the same weights, each run checking its own BI parity) and the GEMM table
+(bench/gemm.py), gathered into one JSON with provenance and one PNG.
+
+  python bench/suite.py --output results/bench_h200.json   # and results/bench_h200.png
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+COMMON = ["--hidden-size", "2048", "--swiglu", "--untie-embeddings-and-output-weights",
+          "--disable-bias-linear", "--bf16", "--seq-length", "1024", "--max-position-embeddings",
+          "1024", "--micro-batch-size", "1", "--flash-attention-version", "4", "--seed", "1234",
+          "--inference-max-seq-length", "1024"]
+MODELS = {
+    "dense4": ["--num-layers", "4", "--ffn-hidden-size", "5632", "--num-attention-heads", "16",
+               "--group-query-attention", "--num-query-groups", "4", "--bench-vocab-size", "32000"],
+    "dense16": ["--num-layers", "16", "--ffn-hidden-size", "6144", "--num-attention-heads", "16",
+                "--group-query-attention", "--num-query-groups", "8", "--bench-vocab-size", "151936"],
+    "hybrid24": ["--hybrid-layer-pattern", "G-G-G-*-" * 3, "--ffn-hidden-size", "6144",
+                 "--num-attention-heads", "16", "--group-query-attention", "--num-query-groups", "4",
+                 "--linear-num-key-heads", "16", "--linear-num-value-heads", "32",
+                 "--linear-key-head-dim", "128", "--linear-value-head-dim", "128",
+                 "--linear-conv-kernel-dim", "4", "--bench-vocab-size", "151936"],
+}
+# What a reader wants first, per model: ratios BI / default, and BI's decode step.
+HEADLINE = {"dense16": "dense", "hybrid24": "hybrid"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", required=True, help="the JSON; the PNG goes beside it")
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
+    parser.add_argument("--extra-flags", default="",
+                        help="added to every model's flags, e.g. '--cuda-graph-impl local "
+                             "--inference-cuda-graph-scope block --decode-only-cuda-graphs'")
+    return parser
+
+
+def _run(script: str, flags: list[str], workdir: str) -> tuple[dict | None, int]:
+    path = os.path.join(workdir, f"{os.path.basename(script)}.{len(os.listdir(workdir))}.json")
+    flag = "--output" if script == "gemm.py" else "--bench-output"
+    code = subprocess.run([sys.executable, os.path.join(BENCH, script), *flags, flag, path]).returncode
+    if not os.path.exists(path):
+        return None, code or 1
+    with open(path) as f:
+        return json.load(f), code
+
+
+def summarize(profile: dict) -> dict:
+    bi, default = profile["bi"], profile["default"]
+    return {
+        "trainer_ratio": bi["train_fwd_bwd_s"] / default["train_fwd_bwd_s"],
+        "generation_ratio": bi["generate_s"] / default["generate_s"],
+        "decode_ms_bi": bi["decode_step_ms_median"],
+        "decode_ms_default": default["decode_step_ms_median"],
+        "decode_roofline_fraction_bi": bi["decode_hbm_roofline_fraction"],
+        "decode_roofline_fraction_default": default["decode_hbm_roofline_fraction"],
+        "train_fwd_bwd_s": {"bi": bi["train_fwd_bwd_s"], "default": default["train_fwd_bwd_s"]},
+        "generate_s": {"bi": bi["generate_s"], "default": default["generate_s"]},
+        "parity_max_bi": bi["parity_max"],
+    }
+
+
+def headline(models: dict) -> dict:
+    """The keys issue 10 names: trainer_ratio_dense, ..., decode_ms_hybrid_bi, per model run."""
+    keys = {}
+    for name, short in HEADLINE.items():
+        if name in models:
+            m = models[name]
+            keys.update({f"trainer_ratio_{short}": m["trainer_ratio"],
+                         f"generation_ratio_{short}": m["generation_ratio"],
+                         f"decode_ms_{short}_bi": m["decode_ms_bi"],
+                         f"decode_roofline_fraction_{short}_bi": m["decode_roofline_fraction_bi"]})
+    return keys
+
+
+def plot(models: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(models)
+    fig, (ratio_ax, decode_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    for offset, key in ((-0.2, "trainer_ratio"), (0.2, "generation_ratio")):
+        ratio_ax.bar([i + offset for i in range(len(names))], [models[n][key] for n in names],
+                     width=0.4, label=key.replace("_", " "))
+    ratio_ax.axhline(1.0, color="gray", linewidth=0.8)
+    ratio_ax.set_xticks(range(len(names)), names)
+    ratio_ax.set_ylabel("BI time / default time")
+    ratio_ax.legend()
+    for offset, mode in ((-0.2, "bi"), (0.2, "default")):
+        decode_ax.bar([i + offset for i in range(len(names))],
+                      [models[n][f"decode_ms_{mode}"] for n in names], width=0.4, label=mode)
+    decode_ax.set_xticks(range(len(names)), names)
+    decode_ax.set_ylabel("decode step, 32 requests (ms)")
+    decode_ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    workdir = tempfile.mkdtemp(prefix="bench_suite_")
+    failures, models, profiles = [], {}, {}
+    for name in args.models:
+        profile, code = _run("profile_steps.py", COMMON + MODELS[name] + args.extra_flags.split(),
+                             workdir)
+        if code:
+            failures.append(f"{name}: exit {code}")
+        if profile is not None:
+            profiles[name], models[name] = profile, summarize(profile)
+    gemm, code = _run("gemm.py", [], workdir)
+    if code:
+        failures.append(f"gemm: exit {code}")
+    report = {**provenance(), "extra_flags": args.extra_flags, "models": models,
+              "gemm": gemm and gemm["shapes"], "profiles": profiles, "failures": failures}
+    report.update(headline(models))
+    with open(args.output, "w") as f:
+        json.dump(report, f, indent=2)
+    if models:
+        plot(models, os.path.splitext(args.output)[0] + ".png")
+    print(json.dumps({k: v for k, v in report.items() if k not in ("profiles", "run")}, indent=2))
+    if failures:
+        raise SystemExit("failed: " + "; ".join(failures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""bench/suite.py's arithmetic (CPU): ratios and headline keys from two modes' profiles, and
+every model's flags parse."""
+
+import importlib.util
+import os
+
+import pytest
+
+from megatron_rl_bi.config import build_parser
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _module(relative_path):
+    spec = importlib.util.spec_from_file_location(relative_path, os.path.join(REPO, relative_path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+suite = _module("bench/suite.py")
+MODE = {"train_fwd_bwd_s": 1.0, "generate_s": 4.0, "decode_step_ms_median": 30.0,
+        "decode_hbm_roofline_fraction": 0.02, "parity_max": 0.0}
+
+
+def test_ratios_and_headline_keys():
+    profile = {"bi": {**MODE, "train_fwd_bwd_s": 1.5, "generate_s": 5.0, "decode_step_ms_median": 40.0},
+               "default": MODE}
+    summary = suite.summarize(profile)
+    assert (summary["trainer_ratio"], summary["generation_ratio"]) == (1.5, 1.25)
+    assert (summary["decode_ms_bi"], summary["decode_ms_default"]) == (40.0, 30.0)
+    assert suite.headline({"dense16": summary, "dense4": summary}) == {
+        "trainer_ratio_dense": 1.5, "generation_ratio_dense": 1.25, "decode_ms_dense_bi": 40.0,
+        "decode_roofline_fraction_dense_bi": 0.02}
+
+
+@pytest.mark.parametrize("name", sorted(suite.MODELS))
+def test_every_models_flags_parse(name):
+    profile_steps = _module("bench/profile_steps.py")
+    args = build_parser(profile_steps.add_profile_args).parse_args(suite.COMMON + suite.MODELS[name])
+    assert args.hidden_size == 2048 and args.flash_attention_version == 4
