@@ -77,11 +77,14 @@ def fla_chunk_backward_works() -> bool:
 def hybrid_stack_final_norm(norm_class):
     """megatron-core 0.19.2's HybridStack builds its final norm as `TENorm` unconditionally
     (models/hybrid/hybrid_block.py, "Hybrid always uses TransformerEngine"). For the non-TE
-    hybrid spec, the stack is built with `norm_class` in its place. Remove once HybridStack takes
-    its final norm from the spec.
+    hybrid spec, the stack is built with `norm_class` in its place (None: TENorm stays). Remove
+    once HybridStack takes its final norm from the spec.
     """
     from megatron.core.models.hybrid import hybrid_block
 
+    if norm_class is None:
+        yield
+        return
     original = hybrid_block.TENorm
     hybrid_block.TENorm = norm_class
     try:

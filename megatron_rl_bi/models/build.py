@@ -17,7 +17,7 @@ from megatron.training.vocab_utils import calculate_padded_vocab_size
 
 from megatron_rl_bi import bi, compat
 from megatron_rl_bi.models.gpt_spec import dense_gpt_block_spec
-from megatron_rl_bi.models.hybrid_spec import local_hybrid_stack_spec
+from megatron_rl_bi.models.hybrid_spec import hybrid_stack_spec
 from megatron_rl_bi.models.norm import RMSNorm
 
 
@@ -41,14 +41,12 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
         rotary_base=args.rotary_base,
     )
     if args.hybrid_layer_pattern:
-        if args.transformer_impl != "local":
-            raise ValueError("--hybrid-layer-pattern: only --transformer-impl local is supported")
-        with compat.hybrid_stack_final_norm(RMSNorm):
-            model = HybridModel(
-                hybrid_stack_spec=local_hybrid_stack_spec(args.qk_layernorm),
-                hybrid_layer_pattern=args.hybrid_layer_pattern,
-                **common,
-            )
+        spec = hybrid_stack_spec(args.transformer_impl, args.qk_layernorm)
+        # megatron-core builds the stack's final norm as TENorm: right with TE, RMSNorm without
+        final_norm = RMSNorm if args.transformer_impl == "local" else None
+        with compat.hybrid_stack_final_norm(final_norm):
+            model = HybridModel(hybrid_stack_spec=spec, hybrid_layer_pattern=args.hybrid_layer_pattern,
+                                **common)
     else:
         model = GPTModel(
             transformer_layer_spec=dense_gpt_block_spec(

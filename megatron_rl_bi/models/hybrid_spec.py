@@ -1,17 +1,20 @@
-"""Hybrid (Qwen3.5-style) stack without TransformerEngine: GDN, attention and MLP layers in the
-order of megatron-core's `hybrid_layer_pattern` ('G' GDN, '*' attention, '-' MLP; e.g.
-"G-G-G-*-" is 3 GDN : 1 attention, each followed by an MLP).
+"""Hybrid (Qwen3.5-style) stack: GDN, attention and MLP layers in the order of megatron-core's
+`hybrid_layer_pattern` ('G' GDN, '*' attention, '-' MLP; e.g. "G-G-G-*-" is 3 GDN : 1
+attention, each followed by an MLP).
 
-The layer structure is megatron-core's HybridStack spec; only kernels change: local linears,
-models.norm.RMSNorm (BI under the switch) for every norm including GDN's gated output norm,
-FlashCoreAttention for attention, SwitchedGatedDeltaNet for GDN.
+The layer structure is megatron-core's HybridStack spec; only kernels change: FlashCoreAttention
+for attention, SwitchedGatedDeltaNet for GDN, and either local linears with models.norm.RMSNorm
+(BI under the switch) for every norm, or, with --transformer-impl transformer_engine, TE's
+linears with each layer's input norm fused into its first linear (as megatron-core's TE hybrid
+spec has it; its BI mode patches TE's GEMM and norms) and TE's norm for QK norms.
 
-Departure from megatron-core: GDN's gated output norm scales by its weight, never by
-1 + weight, whatever --apply-layernorm-1p says (megatron-core follows the flag there). That is
-Qwen3.5's gated norm, so its weights load bit for bit; a zero-centred copy would round weights
-below 0.5.
+Departure from megatron-core: GDN's gated output norm is models.norm.RMSNorm in both variants
+and scales by its weight, never by 1 + weight, whatever --apply-layernorm-1p says (megatron-core
+follows the flag there). That is Qwen3.5's gated norm, so its weights load bit for bit; a
+zero-centred copy would round weights below 0.5.
 """
 
+from dataclasses import dataclass
 from functools import partial
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -21,26 +24,55 @@ from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from megatron_rl_bi import compat
 from megatron_rl_bi.attention import FlashCoreAttention
 from megatron_rl_bi.models.gdn import SwitchedGatedDeltaNet
 from megatron_rl_bi.models.norm import RMSNorm
 
 
-def local_hybrid_stack_spec(qk_layernorm: bool = False) -> ModuleSpec:
+@dataclass(frozen=True)
+class _Kernels:
+    input_norm: type  # a layer's norm before its first linear (IdentityOp when fused into it)
+    first_linear: type  # in_proj, linear_qkv, linear_fc1
+    last_linear: type  # out_proj, linear_proj, linear_fc2
+    qk_norm: type
+
+
+def _kernels(transformer_impl: str) -> _Kernels:
+    if transformer_impl == "local":
+        return _Kernels(RMSNorm, ColumnParallelLinear, RowParallelLinear, RMSNorm)
+    if transformer_impl != "transformer_engine":
+        raise ValueError(f"--transformer-impl {transformer_impl}: expected local or transformer_engine")
+    if not compat.transformer_engine_installed():
+        raise ImportError("--transformer-impl transformer_engine needs TransformerEngine: "
+                          "pip install 'megatron_rl_bi[te]', or pass --transformer-impl local")
+    from megatron.core.extensions.transformer_engine import (
+        TELayerNormColumnParallelLinear,
+        TENorm,
+        TERowParallelLinear,
+    )
+
+    return _Kernels(IdentityOp, TELayerNormColumnParallelLinear, TERowParallelLinear, TENorm)
+
+
+def hybrid_stack_spec(transformer_impl: str, qk_layernorm: bool = False) -> ModuleSpec:
+    """transformer_impl: 'local' or 'transformer_engine' (Megatron's --transformer-impl)."""
+    k = _kernels(transformer_impl)
     gdn_layer = ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=RMSNorm,
+            input_layernorm=k.input_norm,
             self_attention=ModuleSpec(
                 module=SwitchedGatedDeltaNet,
                 submodules=GatedDeltaNetSubmodules(
-                    in_proj=ColumnParallelLinear,
+                    in_proj=k.first_linear,
                     out_norm=ModuleSpec(module=RMSNorm, params={"zero_centered_gamma": False}),
-                    out_proj=RowParallelLinear,
+                    out_proj=k.last_linear,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
@@ -49,16 +81,16 @@ def local_hybrid_stack_spec(qk_layernorm: bool = False) -> ModuleSpec:
     attention_layer = ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=RMSNorm,
+            input_layernorm=k.input_norm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
+                    linear_qkv=k.first_linear,
                     core_attention=FlashCoreAttention,
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=RMSNorm if qk_layernorm else None,
-                    k_layernorm=RMSNorm if qk_layernorm else None,
+                    linear_proj=k.last_linear,
+                    q_layernorm=k.qk_norm if qk_layernorm else None,
+                    k_layernorm=k.qk_norm if qk_layernorm else None,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
@@ -67,10 +99,10 @@ def local_hybrid_stack_spec(qk_layernorm: bool = False) -> ModuleSpec:
     mlp_layer = ModuleSpec(
         module=MLPLayer,
         submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=RMSNorm,
+            pre_mlp_layernorm=k.input_norm,
             mlp=partial(
                 MLP.as_mlp_submodule,
-                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                submodules=MLPSubmodules(linear_fc1=k.first_linear, linear_fc2=k.last_linear),
             ),
             mlp_bda=get_bias_dropout_add,
         ),

@@ -18,9 +18,12 @@ __all__ = ["HFModel", "export_hf", "load_hf_weights", "megatron_flags", "read_hf
 
 logger = logging.getLogger(__name__)
 
-# TransformerEngine's fused norm+linear keeps the preceding norm inside the linear.
-_TE_NAMES = {".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
-             ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight"}
+# TransformerEngine's fused norm+linear keeps the preceding norm inside the linear: (local
+# name, TE name) pairs; an attention layer's input norm goes into linear_qkv, a GDN layer's into
+# in_proj.
+_TE_NAMES = ((".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight"),
+             (".input_layernorm.weight", ".self_attention.in_proj.layer_norm_weight"),
+             (".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight"))
 # Parts of a checkpoint that are not the language model: left out, with a note.
 _SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.")
 
@@ -34,7 +37,7 @@ def _bare_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _megatron_key(rule: Rule, state: dict) -> str:
     if rule.megatron in state:
         return rule.megatron
-    for local, te in _TE_NAMES.items():
+    for local, te in _TE_NAMES:
         if rule.megatron.endswith(local) and rule.megatron.replace(local, te) in state:
             return rule.megatron.replace(local, te)
     raise ValueError(f"the built model has no parameter {rule.megatron!r}: its flags do not "
