@@ -1,5 +1,5 @@
 """Cost of batch invariance on one GPU, as BI / default time ratios measured in one run: a packed
-trainer forward+backward, and an engine generation, on the model built from the Megatron flags
+trainer forward+backward, the RL update (with the optimizer), and an engine generation, on the model built from the Megatron flags
 given (e.g. the dense parity model of examples/parity_dense.sh).
 
   python bench/bi_overhead.py <Megatron model flags> --flash-attention-version 4 \
@@ -37,9 +37,11 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
     model's weights (so the other mode runs the same ones)."""
     with bi.batch_invariant(batch_invariant):
         work = build_workload(args, weights)
+        rollouts = work.rollouts(args.bench_new_tokens)
         result = {
             "train_fwd_bwd_s": seconds(work.train_step, args.bench_repeats),
             "generate_s": seconds(lambda: work.generate(args.bench_new_tokens), args.bench_repeats),
+            "rl_update_s": seconds(lambda: work.rl_update(rollouts), args.bench_repeats),
             "parity_max": work.parity_max(),
         }
         state = cpu_state_dict(work.model)
@@ -49,7 +51,7 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
 def main() -> None:
     args, report = run_in_both_modes(add_bench_args, measure)
     report["ratios_bi_over_default"] = {k: report["bi"][k] / report["default"][k]
-                                        for k in ("train_fwd_bwd_s", "generate_s")}
+                                        for k in ("train_fwd_bwd_s", "rl_update_s", "generate_s")}
     write_report(report, report["ratios_bi_over_default"], args.bench_output)
     check_bi_parity(report)
 

@@ -1,7 +1,8 @@
 """Where the time goes, in BI and in default mode on the same weights: the wall time of every
 engine step of a generation (the first is the prefill, the rest decode steps; their sum is the
 generation's time), the decode step as a fraction of the HBM roofline, and torch-profiler tables (self CPU and self GPU time per op, per
-step) of decode steps and of a packed trainer forward+backward.
+step) of decode steps and of a packed trainer forward+backward; and the RL update's time (32
+generations: packing, logprobs, loss, backward, optimizer step).
 
   python bench/profile_steps.py <Megatron model flags> --flash-attention-version 4 \
       --bench-output results/profile_dense16_h200.json
@@ -114,6 +115,8 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
         decode_s = statistics.median(step_times[1:])
         activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
         train_s = seconds(work.train_step, 3)
+        rollouts = work.rollouts(args.bench_new_tokens)
+        update_s = seconds(lambda: work.rl_update(rollouts), 3)
         with profile(activities=activities) as train_profile:
             work.train_step()
             torch.cuda.synchronize()
@@ -127,6 +130,7 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
             "decode_hbm_roofline_fraction": decode_bytes(args, work, args.bench_new_tokens)
             / decode_s / HBM_BYTES_PER_S,
             "train_fwd_bwd_s": train_s,
+            "rl_update_s": update_s,
             "decode_ops": op_table(decode_profile, PROFILED_DECODE_STEPS, args.bench_op_rows),
             "train_ops": op_table(train_profile, 1, args.bench_op_rows),
             "parity_max": work.parity_max(),

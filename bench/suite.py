@@ -60,12 +60,14 @@ def summarize(profile: dict) -> dict:
     bi, default = profile["bi"], profile["default"]
     return {
         "trainer_ratio": bi["train_fwd_bwd_s"] / default["train_fwd_bwd_s"],
+        "update_ratio": bi["rl_update_s"] / default["rl_update_s"],
         "generation_ratio": bi["generate_s"] / default["generate_s"],
         "decode_ms_bi": bi["decode_step_ms_median"],
         "decode_ms_default": default["decode_step_ms_median"],
         "decode_roofline_fraction_bi": bi["decode_hbm_roofline_fraction"],
         "decode_roofline_fraction_default": default["decode_hbm_roofline_fraction"],
         "train_fwd_bwd_s": {"bi": bi["train_fwd_bwd_s"], "default": default["train_fwd_bwd_s"]},
+        "rl_update_s": {"bi": bi["rl_update_s"], "default": default["rl_update_s"]},
         "generate_s": {"bi": bi["generate_s"], "default": default["generate_s"]},
         "parity_max_bi": bi["parity_max"],
     }
@@ -78,6 +80,7 @@ def headline(models: dict) -> dict:
         if name in models:
             m = models[name]
             keys.update({f"trainer_ratio_{short}": m["trainer_ratio"],
+                         f"update_ratio_{short}": m["update_ratio"],
                          f"generation_ratio_{short}": m["generation_ratio"],
                          f"decode_ms_{short}_bi": m["decode_ms_bi"],
                          f"decode_roofline_fraction_{short}_bi": m["decode_roofline_fraction_bi"]})

@@ -1,5 +1,5 @@
-"""The work every benchmark measures, built once from the flags: the model, its engine, the
-requests and a packed trainer batch of the same model."""
+"""The work every benchmark measures, built once from the flags: the model with Megatron's DDP
+and optimizer, its engine, the requests, a packed trainer batch, and the RL update."""
 
 import argparse
 from collections.abc import Callable
@@ -13,9 +13,12 @@ from megatron_rl_bi.distributed import initialize_distributed
 from megatron_rl_bi.inference import Generator, Sampling
 from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.models.logprobs import forward_logprobs
+from megatron_rl_bi.optimizer import build_ddp_and_optimizer
 from megatron_rl_bi.packing import PackedBatch, pack_sequences
 from megatron_rl_bi.parity.harness import random_requests, run_parity
 from megatron_rl_bi.reporting.provenance import provenance
+from megatron_rl_bi.rl.rollouts import Rollout
+from megatron_rl_bi.rl.step import StepConfig, train_on_rollouts
 
 TRAIN_SEQUENCE_TOKENS = 512
 PARITY_REQUESTS, PARITY_NEW_TOKENS = 8, 32
@@ -27,22 +30,36 @@ def add_workload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--bench-requests", type=int, default=32)
     group.add_argument("--bench-new-tokens", type=int, default=128)
     group.add_argument("--bench-vocab-size", type=int, default=32000)
+    parser.set_defaults(lr=1e-6)  # the optimizer needs one; the update's speed does not depend on it
     return parser
 
 
 @dataclass
 class Workload:
     model: torch.nn.Module
+    ddp: torch.nn.Module
+    optimizer: object
     generator: Generator
     prompts: list[list[int]]
     batch: PackedBatch
 
     def train_step(self) -> None:
         """One packed forward+backward (no optimizer)."""
-        self.model.train()
-        logprobs, _ = forward_logprobs(self.model, self.batch)
+        self.ddp.train()
+        logprobs, _ = forward_logprobs(self.ddp, self.batch)
         logprobs.sum().backward()
-        self.model.zero_grad(set_to_none=True)
+        self.ddp.zero_grad_buffer()
+
+    def rollouts(self, new_tokens: int) -> list[Rollout]:
+        """The requests' generations scored in pairs (advantages -1 and +1), as a GRPO step
+        receives them."""
+        generations = self.generator.generate(self.prompts, Sampling(max_new_tokens=new_tokens, seed=0))
+        return [Rollout(g, reward=float(i % 2), group_id=i // 2, weight_version=0,
+                        advantage=1.0 if i % 2 else -1.0) for i, g in enumerate(generations)]
+
+    def rl_update(self, rollouts: list[Rollout]) -> None:
+        """The RL step's update: packing, trainer logprobs, loss, backward, optimizer step."""
+        train_on_rollouts(self.ddp, self.optimizer, rollouts, StepConfig(micro_batch_tokens=16384))
 
     def generate(self, new_tokens: int) -> None:
         self.generator.generate(self.prompts, Sampling(max_new_tokens=new_tokens, seed=0))
@@ -57,14 +74,17 @@ class Workload:
 
 
 def build_workload(args: argparse.Namespace, weights: dict | None = None) -> Workload:
-    """The model (with `weights` if given) in the current BI mode; prompts of 64-512 tokens."""
+    """The model (with `weights` if given) in the current BI mode, wrapped in Megatron's DDP
+    with its optimizer; prompts of 64-512 tokens."""
     model = build_model(args, args.bench_vocab_size)
     if weights is not None:
         model.load_state_dict(weights)
     prompts, _ = random_requests(args.bench_requests, (64, 512), (1, 1), args.bench_vocab_size, 0)
     lengths = [TRAIN_SEQUENCE_TOKENS] * (args.bench_train_tokens // TRAIN_SEQUENCE_TOKENS)
     batch = pack_sequences([prompts[i % len(prompts)][:1] * n for i, n in enumerate(lengths)]).to("cuda")
-    return Workload(model, Generator(model, engine_config_from_args(args)), prompts, batch)
+    ddp, optimizer = build_ddp_and_optimizer(args, model)  # before the engine: DDP may move params
+    return Workload(model, ddp, optimizer, Generator(model, engine_config_from_args(args)), prompts,
+                    batch)
 
 
 def run_in_both_modes(extra_args_provider, measure: Callable) -> tuple[argparse.Namespace, dict]:

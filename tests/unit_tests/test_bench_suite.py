@@ -19,18 +19,21 @@ def _module(relative_path):
 
 
 suite = _module("bench/suite.py")
-MODE = {"train_fwd_bwd_s": 1.0, "generate_s": 4.0, "decode_step_ms_median": 30.0,
+MODE = {"train_fwd_bwd_s": 1.0, "rl_update_s": 2.0, "generate_s": 4.0, "decode_step_ms_median": 30.0,
         "decode_hbm_roofline_fraction": 0.02, "parity_max": 0.0}
 
 
 def test_ratios_and_headline_keys():
-    profile = {"bi": {**MODE, "train_fwd_bwd_s": 1.5, "generate_s": 5.0, "decode_step_ms_median": 40.0},
+    profile = {"bi": {**MODE, "train_fwd_bwd_s": 1.5, "rl_update_s": 2.2, "generate_s": 5.0,
+                      "decode_step_ms_median": 40.0},
                "default": MODE}
     summary = suite.summarize(profile)
     assert (summary["trainer_ratio"], summary["generation_ratio"]) == (1.5, 1.25)
+    assert summary["update_ratio"] == pytest.approx(1.1)
     assert (summary["decode_ms_bi"], summary["decode_ms_default"]) == (40.0, 30.0)
     assert suite.headline({"dense16": summary, "dense4": summary}) == {
-        "trainer_ratio_dense": 1.5, "generation_ratio_dense": 1.25, "decode_ms_dense_bi": 40.0,
+        "trainer_ratio_dense": 1.5, "update_ratio_dense": summary["update_ratio"],
+        "generation_ratio_dense": 1.25, "decode_ms_dense_bi": 40.0,
         "decode_roofline_fraction_dense_bi": 0.02}
 
 
