@@ -89,4 +89,5 @@ def loop_config_from_args(args: argparse.Namespace) -> LoopConfig:
         save_hf_interval=args.save_hf_interval,
         eval_interval=args.eval_interval or 0,
         exit_interval=args.exit_interval or 0,
+        exit_duration_s=(args.exit_duration_in_mins or 0) * 60,
     )

@@ -64,6 +64,9 @@ class LoopConfig:
     exit_interval: int = 0
     """Stop after a step divisible by N, with a checkpoint under save_dir (--exit-interval):
     the rest of the run, schedule included, continues with --load."""
+    exit_duration_s: float = 0.0
+    """Stop the same way after the first step that ends this long after the loop started
+    (warm-up included; --exit-duration-in-mins, e.g. a job's time limit less a margin)."""
 
 
 def _sft_warmup(ddp, optimizer, task, tokenizer, config: LoopConfig, logger) -> None:
@@ -138,10 +141,26 @@ def _due(step: int, interval: int, last: bool) -> bool:
     return last or bool(interval and step % interval == 0)
 
 
+def _exit_reason(step: int, config: LoopConfig, run_started: float) -> str | None:
+    """The flag that stops the run after `step`, short of --train-iters (every rank agrees on
+    the time limit), or None."""
+    if step >= config.steps:
+        return None
+    if _due(step, config.exit_interval, last=False):
+        return f"--exit-interval {config.exit_interval}"
+    if config.exit_duration_s:
+        late = torch.tensor([time.time() - run_started > config.exit_duration_s], dtype=torch.int32,
+                            device=torch.cuda.current_device())
+        torch.distributed.all_reduce(late, op=torch.distributed.ReduceOp.MAX)
+        if late.item():
+            return f"--exit-duration-in-mins {config.exit_duration_s / 60:g}"
+    return None
+
+
 def _save(step: int, weight_version: int, ddp, optimizer, lr_scheduler, source,
           config: LoopConfig, hf_model: HFModel | None, exiting: bool) -> None:
     """The Megatron checkpoint (--save) and the Hugging Face export (--save-hf) due at `step`;
-    `exiting` (--exit-interval) forces the checkpoint, not the export."""
+    `exiting` (--exit-interval, --exit-duration-in-mins) forces the checkpoint, not the export."""
     last = step == config.steps
     if config.save_dir and _due(step, config.save_interval, last or exiting):
         rl_state = {"step": step, "weight_version": weight_version, "source": source.state_dict()}
@@ -176,6 +195,7 @@ def run_rl(
     held-out prompts (--rl-eval-dataset)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     source = PromptSource(task, config.seed, rank, world)
+    run_started = time.time()
     start_step, weight_version = _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, task,
                                                     tokenizer, config, logger)
     started = time.time()
@@ -191,9 +211,10 @@ def run_rl(
         metrics["time/eta_s"] = (time.time() - started) / (step - start_step) * (config.steps - step)
         if logger:
             logger.log(step, metrics)
-        exiting = step < config.steps and _due(step, config.exit_interval, last=False)
-        _save(step, weight_version, ddp, optimizer, lr_scheduler, source, config, hf_model, exiting)
-        if exiting:
+        reason = _exit_reason(step, config, run_started)
+        _save(step, weight_version, ddp, optimizer, lr_scheduler, source, config, hf_model,
+              exiting=reason is not None)
+        if reason:
             if logger:
-                print(f"--exit-interval {config.exit_interval}: stopping after step {step}", flush=True)
+                print(f"{reason}: stopping after step {step}", flush=True)
             return

@@ -93,6 +93,17 @@ def test_exit_interval_stops_with_a_checkpoint(tmp_path, cpu_loop, monkeypatch):
     assert sorted(records) == [1, 2] and saved == [2]
 
 
+def test_exit_duration_stops_after_the_step_that_ends_late(tmp_path, cpu_loop, monkeypatch):
+    saved = []
+    monkeypatch.setattr(loop, "save_checkpoint", lambda root, step, *a, **k: saved.append(step))
+    clock = iter(range(10**6))  # every reading of the clock a second after the last
+    monkeypatch.setattr(loop.time, "time", lambda: next(clock))
+    records = _run(tmp_path, ["--train-iters", "20", "--exit-duration-in-mins", "1", "--save",
+                              str(tmp_path / "ckpt"), "--save-interval", "100"])
+    assert sorted(records) == list(range(1, len(records) + 1)) and len(records) < 20
+    assert saved == [len(records)]
+
+
 def test_a_checkpoint_of_another_schedule_is_refused_naming_the_flags():
     def scheduler(train_iters):
         args = parse_rl_args(MODEL + ["--train-iters", str(train_iters), "--lr-decay-style", "linear"])
