@@ -24,7 +24,7 @@ OTHER_PROGRAMS = {
     "--rdzv-endpoint": "torchrun", "--rdzv-id": "torchrun",
     "--nodes": "sbatch", "--ntasks": "sbatch", "--ntasks-per-node": "sbatch",
     "--gpus-per-node": "sbatch", "--gpus": "sbatch", "--exclusive": "sbatch",
-    "--job-name": "sbatch", "--kill-on-bad-exit": "srun",
+    "--job-name": "sbatch", "--time": "sbatch", "--requeue": "sbatch", "--kill-on-bad-exit": "srun",
     "--porcelain": "git status", "--untracked-files": "git status",
 }
 
