@@ -90,4 +90,5 @@ def loop_config_from_args(args: argparse.Namespace) -> LoopConfig:
         eval_interval=args.eval_interval or 0,
         exit_interval=args.exit_interval or 0,
         exit_duration_s=(args.exit_duration_in_mins or 0) * 60,
+        exit_signal=args.exit_signal if args.exit_signal_handler else None,
     )

@@ -9,10 +9,12 @@ resumed from a checkpoint repeats the uninterrupted one.
 
 import dataclasses
 import os
+import signal
 import time
 from dataclasses import dataclass
 
 import torch
+from megatron.training.dist_signal_handler import DistributedSignalHandler
 
 from megatron_rl_bi.checkpoints.hf import HFModel, export_hf
 from megatron_rl_bi.checkpoints.megatron import (
@@ -67,6 +69,10 @@ class LoopConfig:
     exit_duration_s: float = 0.0
     """Stop the same way after the first step that ends this long after the loop started
     (warm-up included; --exit-duration-in-mins, e.g. a job's time limit less a margin)."""
+    exit_signal: signal.Signals | None = None
+    """Stop the same way after the step during which any rank received this signal
+    (--exit-signal-handler, --exit-signal; e.g. SIGTERM ahead of a preemption); None: the
+    signal keeps its default action."""
 
 
 def _sft_warmup(ddp, optimizer, task, tokenizer, config: LoopConfig, logger) -> None:
@@ -141,26 +147,46 @@ def _due(step: int, interval: int, last: bool) -> bool:
     return last or bool(interval and step % interval == 0)
 
 
-def _exit_reason(step: int, config: LoopConfig, run_started: float) -> str | None:
-    """The flag that stops the run after `step`, short of --train-iters (every rank agrees on
-    the time limit), or None."""
-    if step >= config.steps:
+class _EarlyStop:
+    """Megatron's early stops (--exit-interval, --exit-duration-in-mins, --exit-signal-handler):
+    each ends the run after a step short of --train-iters, with a checkpoint; every rank agrees.
+    The signal handler (megatron's own) is installed for the duration of the `with` block."""
+
+    def __init__(self, config: LoopConfig):
+        self.config, self.started = config, time.time()
+        self.signals = DistributedSignalHandler(config.exit_signal) if config.exit_signal else None
+
+    def __enter__(self) -> "_EarlyStop":
+        if self.signals:
+            self.signals.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.signals:
+            self.signals.release()
+
+    def reason(self, step: int) -> str | None:
+        """The flag that stops the run after `step`, or None."""
+        config = self.config
+        if step >= config.steps:
+            return None
+        if _due(step, config.exit_interval, last=False):
+            return f"--exit-interval {config.exit_interval}"
+        if config.exit_duration_s:
+            late = torch.tensor([time.time() - self.started > config.exit_duration_s],
+                                dtype=torch.int32, device=torch.cuda.current_device())
+            torch.distributed.all_reduce(late, op=torch.distributed.ReduceOp.MAX)
+            if late.item():
+                return f"--exit-duration-in-mins {config.exit_duration_s / 60:g}"
+        if self.signals and any(self.signals.signals_received()):
+            return f"--exit-signal-handler ({self.signals.sig.name})"
         return None
-    if _due(step, config.exit_interval, last=False):
-        return f"--exit-interval {config.exit_interval}"
-    if config.exit_duration_s:
-        late = torch.tensor([time.time() - run_started > config.exit_duration_s], dtype=torch.int32,
-                            device=torch.cuda.current_device())
-        torch.distributed.all_reduce(late, op=torch.distributed.ReduceOp.MAX)
-        if late.item():
-            return f"--exit-duration-in-mins {config.exit_duration_s / 60:g}"
-    return None
 
 
 def _save(step: int, weight_version: int, ddp, optimizer, lr_scheduler, source,
           config: LoopConfig, hf_model: HFModel | None, exiting: bool) -> None:
     """The Megatron checkpoint (--save) and the Hugging Face export (--save-hf) due at `step`;
-    `exiting` (--exit-interval, --exit-duration-in-mins) forces the checkpoint, not the export."""
+    `exiting` (an early stop) forces the checkpoint, not the export."""
     last = step == config.steps
     if config.save_dir and _due(step, config.save_interval, last or exiting):
         rl_state = {"step": step, "weight_version": weight_version, "source": source.state_dict()}
@@ -195,26 +221,26 @@ def run_rl(
     held-out prompts (--rl-eval-dataset)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     source = PromptSource(task, config.seed, rank, world)
-    run_started = time.time()
-    start_step, weight_version = _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, task,
-                                                    tokenizer, config, logger)
-    started = time.time()
-    for step in range(start_step + 1, config.steps + 1):
-        step_sampling = dataclasses.replace(sampling, seed=sampling.seed + 1_000_003 * step + rank)
-        metrics = _rl_step(ddp, optimizer, generator, source, tokenizer, rollout_config,
-                           step_config, step_sampling, weight_version, ref_model, lr_scheduler)
-        weight_version += metrics["optimizer_steps"]
-        if eval_examples and _due(step, config.eval_interval, last=False):
-            metrics.update(all_reduce_metrics(
-                validation_terms(generator, eval_examples, tokenizer, sampling, config.seed)))
-        metrics["weight_version"] = weight_version
-        metrics["time/eta_s"] = (time.time() - started) / (step - start_step) * (config.steps - step)
-        if logger:
-            logger.log(step, metrics)
-        reason = _exit_reason(step, config, run_started)
-        _save(step, weight_version, ddp, optimizer, lr_scheduler, source, config, hf_model,
-              exiting=reason is not None)
-        if reason:
+    with _EarlyStop(config) as early_stop:
+        start_step, weight_version = _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, task,
+                                                        tokenizer, config, logger)
+        started = time.time()
+        for step in range(start_step + 1, config.steps + 1):
+            step_sampling = dataclasses.replace(sampling, seed=sampling.seed + 1_000_003 * step + rank)
+            metrics = _rl_step(ddp, optimizer, generator, source, tokenizer, rollout_config,
+                               step_config, step_sampling, weight_version, ref_model, lr_scheduler)
+            weight_version += metrics["optimizer_steps"]
+            if eval_examples and _due(step, config.eval_interval, last=False):
+                metrics.update(all_reduce_metrics(
+                    validation_terms(generator, eval_examples, tokenizer, sampling, config.seed)))
+            metrics["weight_version"] = weight_version
+            metrics["time/eta_s"] = (time.time() - started) / (step - start_step) * (config.steps - step)
             if logger:
-                print(f"{reason}: stopping after step {step}", flush=True)
-            return
+                logger.log(step, metrics)
+            reason = early_stop.reason(step)
+            _save(step, weight_version, ddp, optimizer, lr_scheduler, source, config, hf_model,
+                  exiting=reason is not None)
+            if reason:
+                if logger:
+                    print(f"{reason}: stopping after step {step}", flush=True)
+                return

@@ -3,6 +3,8 @@ steps, the validation reward at its interval, the learning-rate schedule, metric
 every key a step reports, and the weight version counting optimizer updates."""
 
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -102,6 +104,24 @@ def test_exit_duration_stops_after_the_step_that_ends_late(tmp_path, cpu_loop, m
                               str(tmp_path / "ckpt"), "--save-interval", "100"])
     assert sorted(records) == list(range(1, len(records) + 1)) and len(records) < 20
     assert saved == [len(records)]
+
+
+def test_exit_signal_stops_after_the_step_it_arrived_in(tmp_path, cpu_loop, monkeypatch):
+    saved, generate = [], SortingEngine.generate
+    monkeypatch.setattr(loop, "save_checkpoint", lambda root, step, *a, **k: saved.append(step))
+
+    def generate_then_signal_on_step_3(self, prompts, sampling, max_new_tokens=None):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return generate(self, prompts, sampling, max_new_tokens)
+
+    monkeypatch.setattr(SortingEngine, "generate", generate_then_signal_on_step_3)
+    before = signal.getsignal(signal.SIGUSR1)
+    records = _run(tmp_path, ["--train-iters", "6", "--exit-signal-handler", "--exit-signal",
+                              "SIGUSR1", "--save", str(tmp_path / "ckpt"), "--save-interval", "100"])
+    assert sorted(records) == [1, 2, 3] and saved == [3]
+    assert signal.getsignal(signal.SIGUSR1) is before  # the handler is the run's only
 
 
 def test_a_checkpoint_of_another_schedule_is_refused_naming_the_flags():
