@@ -127,16 +127,40 @@ def load_recipe(path: str, parser: argparse.ArgumentParser) -> dict:
     return values
 
 
+# Megatron flags whose meaning pretrain_rl.py does not implement, and what does the job instead.
+UNUSED_MEGATRON_FLAGS = {
+    "--global-batch-size": "an RL step trains on --grpo-prompts-per-step x --grpo-group-size "
+                           "completions per data-parallel rank",
+    "--rampup-batch-size": "the RL batch is --grpo-prompts-per-step x --grpo-group-size",
+    "--train-samples": "the run is --train-iters RL steps",
+    "--data-path": "prompts come from --rl-task / --rl-dataset",
+    "--train-data-path": "prompts come from --rl-task / --rl-dataset",
+    "--eval-iters": "--rl-eval-dataset is evaluated whole every --eval-interval steps",
+    "--save-retain-interval": "--rl-keep-last-k keeps the newest checkpoints",
+    "--async-save": "checkpoints are written synchronously, then renamed into place",
+}
+
+
+def unused_flag_errors(argv: list[str], recipe: dict) -> list[str]:
+    """An error for each flag of UNUSED_MEGATRON_FLAGS given on the command line or in the recipe
+    (silently ignoring it would run another job than the one asked for)."""
+    given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    given |= {"--" + key.replace("_", "-") for key in recipe}
+    return [f"{flag}: not used by pretrain_rl.py ({why})"
+            for flag, why in UNUSED_MEGATRON_FLAGS.items() if flag in given]
+
+
 def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else argv
     recipe_path = _scan(argv, "--recipe")
-    model_flags, flag_names = {}, {}
+    model_flags, flag_names, recipe_values = {}, {}, {}
 
     def provider(parser):
         add_hf_args(add_rl_args(parser))
         flag_names.update({a.dest: a.option_strings[0] for a in parser._actions if a.option_strings})
         parser.set_defaults(**RL_DEFAULTS)
         recipe = load_recipe(recipe_path, parser) if recipe_path else {}
+        recipe_values.update(recipe)
         hf_checkpoint = _scan(argv, "--hf-checkpoint") or recipe.get("hf_checkpoint")
         if hf_checkpoint:
             model_flags.update(megatron_flags(read_hf_model(hf_checkpoint)))
@@ -150,7 +174,8 @@ def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
         return parser
 
     args = parse_args(argv, extra_args_provider=provider)
-    validate_rl_args(args, checkpoint_flag_errors(args, model_flags, flag_names))
+    validate_rl_args(args, checkpoint_flag_errors(args, model_flags, flag_names)
+                     + unused_flag_errors(argv, recipe_values))
     return args
 
 

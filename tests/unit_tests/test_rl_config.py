@@ -129,3 +129,17 @@ def test_cuda_graphs_other_than_the_engines_block_graphs_are_refused_naming_each
         assert expected in message
     with pytest.raises(ValueError, match="--cuda-graph-impl transformer_engine: only local"):
         parse_rl_args(MODEL + ["--cuda-graph-impl", "transformer_engine"])
+
+
+def test_megatron_flags_the_rl_job_does_not_use_are_named(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("eval_iters: 10\n")
+    with pytest.raises(ValueError) as error:
+        parse_rl_args(MODEL + ["--recipe", str(recipe), "--global-batch-size", "256",
+                               "--data-path=/data/x"])
+    message = str(error.value)
+    for expected in ("--global-batch-size: not used by pretrain_rl.py (an RL step trains on "
+                     "--grpo-prompts-per-step x --grpo-group-size",
+                     "--data-path: not used", "--eval-iters: not used"):
+        assert expected in message
+    assert "--train-samples" not in message
