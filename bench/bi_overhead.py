@@ -1,6 +1,7 @@
 """Cost of batch invariance on one GPU, as BI / default time ratios measured in one run: a packed
-trainer forward+backward, the RL update (with the optimizer), and an engine generation, on the model built from the Megatron flags
-given (e.g. the dense parity model of examples/parity_dense.sh).
+trainer forward+backward, the RL update (with the optimizer) and an engine generation, on the
+model built from the Megatron flags given (e.g. the dense parity model of
+examples/parity_dense.sh).
 
   python bench/bi_overhead.py <Megatron model flags> --flash-attention-version 4 \
       --bench-output results/bench_bi_overhead_h200.json

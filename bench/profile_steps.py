@@ -1,8 +1,9 @@
 """Where the time goes, in BI and in default mode on the same weights: the wall time of every
 engine step of a generation (the first is the prefill, the rest decode steps; their sum is the
-generation's time), the decode step as a fraction of the HBM roofline, and torch-profiler tables (self CPU and self GPU time per op, per
-step) of decode steps and of a packed trainer forward+backward; and the RL update's time (32
-generations: packing, logprobs, loss, backward, optimizer step).
+generation's time), the decode step as a fraction of the HBM roofline, torch-profiler tables
+(self CPU and self GPU time per op, per step) of decode steps and of a packed trainer
+forward+backward, and the RL update's time (32 generations: packing, logprobs, loss, backward,
+optimizer step).
 
   python bench/profile_steps.py <Megatron model flags> --flash-attention-version 4 \
       --bench-output results/profile_dense16_h200.json
