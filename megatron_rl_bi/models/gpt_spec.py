@@ -26,21 +26,26 @@ def _with_flash_attention(attention: ModuleSpec) -> ModuleSpec:
     return dataclasses.replace(attention, submodules=submodules)
 
 
+def check_transformer_impl(transformer_impl: str) -> None:
+    """Megatron's --transformer-impl: 'local', or 'transformer_engine' where TE is installed."""
+    if transformer_impl not in ("local", "transformer_engine"):
+        raise ValueError(f"--transformer-impl {transformer_impl}: expected local or transformer_engine")
+    if transformer_impl == "transformer_engine" and not compat.transformer_engine_installed():
+        raise ImportError(
+            "--transformer-impl transformer_engine needs TransformerEngine: "
+            "pip install 'megatron_rl_bi[te]', or pass --transformer-impl local"
+        )
+
+
 def dense_gpt_layer_spec(transformer_impl: str, qk_layernorm: bool = False) -> ModuleSpec:
     """transformer_impl: 'local' or 'transformer_engine' (Megatron's --transformer-impl)."""
+    check_transformer_impl(transformer_impl)
     if transformer_impl == "transformer_engine":
-        if not compat.transformer_engine_installed():
-            raise ImportError(
-                "--transformer-impl transformer_engine needs TransformerEngine: "
-                "pip install 'megatron_rl_bi[te]', or pass --transformer-impl local"
-            )
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
         layer = dataclasses.replace(
             spec.submodules, self_attention=_with_flash_attention(spec.submodules.self_attention)
         )
         return dataclasses.replace(spec, submodules=layer)
-    if transformer_impl != "local":
-        raise ValueError(f"--transformer-impl {transformer_impl}: expected local or transformer_engine")
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     attention = _with_flash_attention(spec.submodules.self_attention)
     if qk_layernorm:

@@ -29,9 +29,9 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from megatron_rl_bi import compat
 from megatron_rl_bi.attention import FlashCoreAttention
 from megatron_rl_bi.models.gdn import SwitchedGatedDeltaNet
+from megatron_rl_bi.models.gpt_spec import check_transformer_impl
 from megatron_rl_bi.models.norm import RMSNorm
 
 
@@ -44,13 +44,9 @@ class _Kernels:
 
 
 def _kernels(transformer_impl: str) -> _Kernels:
+    check_transformer_impl(transformer_impl)
     if transformer_impl == "local":
         return _Kernels(RMSNorm, ColumnParallelLinear, RowParallelLinear, RMSNorm)
-    if transformer_impl != "transformer_engine":
-        raise ValueError(f"--transformer-impl {transformer_impl}: expected local or transformer_engine")
-    if not compat.transformer_engine_installed():
-        raise ImportError("--transformer-impl transformer_engine needs TransformerEngine: "
-                          "pip install 'megatron_rl_bi[te]', or pass --transformer-impl local")
     from megatron.core.extensions.transformer_engine import (
         TELayerNormColumnParallelLinear,
         TENorm,

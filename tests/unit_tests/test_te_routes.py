@@ -7,7 +7,7 @@ import pytest
 from megatron_rl_bi import compat
 from megatron_rl_bi.checkpoints.hf import _megatron_key
 from megatron_rl_bi.checkpoints.hf.mapping import Rule
-from megatron_rl_bi.models import hybrid_spec
+from megatron_rl_bi.models import gpt_spec, hybrid_spec
 
 TE_STATE = {
     "decoder.layers.0.self_attention.in_proj.layer_norm_weight": None,  # GDN
@@ -39,5 +39,6 @@ def test_hybrid_spec_kernels(monkeypatch):
     with pytest.raises(ValueError, match="--transformer-impl fused: expected local or transformer_engine"):
         hybrid_spec._kernels("fused")
     monkeypatch.setattr(compat, "transformer_engine_installed", lambda: False)
-    with pytest.raises(ImportError, match="--transformer-impl transformer_engine needs TransformerEngine"):
-        hybrid_spec.hybrid_stack_spec("transformer_engine")
+    for spec in (hybrid_spec.hybrid_stack_spec, gpt_spec.dense_gpt_layer_spec):
+        with pytest.raises(ImportError, match="--transformer-impl transformer_engine needs TransformerEngine"):
+            spec("transformer_engine")
