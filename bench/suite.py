@@ -46,10 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run(script: str, flags: list[str], workdir: str) -> tuple[dict | None, int]:
-    path = os.path.join(workdir, f"{os.path.basename(script)}.{len(os.listdir(workdir))}.json")
-    flag = "--output" if script == "gemm.py" else "--bench-output"
-    code = subprocess.run([sys.executable, os.path.join(BENCH, script), *flags, flag, path]).returncode
+def _run(script: str, flags: list[str], output_flag: str, path: str) -> tuple[dict | None, int]:
+    """Runs bench/`script` writing its JSON to `path`: (the JSON or None, exit code)."""
+    code = subprocess.run([sys.executable, os.path.join(BENCH, script), *flags, output_flag, path]).returncode
     if not os.path.exists(path):
         return None, code or 1
     with open(path) as f:
@@ -118,12 +117,12 @@ def main() -> None:
     failures, models, profiles = [], {}, {}
     for name in args.models:
         profile, code = _run("profile_steps.py", COMMON + MODELS[name] + args.extra_flags.split(),
-                             workdir)
+                             "--bench-output", os.path.join(workdir, f"{name}.json"))
         if code:
             failures.append(f"{name}: exit {code}")
         if profile is not None:
             profiles[name], models[name] = profile, summarize(profile)
-    gemm, code = _run("gemm.py", [], workdir)
+    gemm, code = _run("gemm.py", [], "--output", os.path.join(workdir, "gemm.json"))
     if code:
         failures.append(f"gemm: exit {code}")
     report = {**provenance(), "extra_flags": args.extra_flags, "models": models,
