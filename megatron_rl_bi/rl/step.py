@@ -159,7 +159,7 @@ def train_on_rollouts(
         ddp.finish_grad_sync()
         lr = optimizer.param_groups[0]["lr"]
         _, norm, _ = optimizer.step()
-        grad_norm += (norm or 0.0) / num_updates
+        grad_norm += (0.0 if norm is None else float(norm)) / num_updates  # a tensor with TE
         steps += 1
         if lr_scheduler is not None:
             lr_scheduler.step(increment=1)

@@ -3,6 +3,8 @@ stand-in for Megatron's DDP model and optimizer. Checks the plumbing that the GP
 parity over engine-reported positions, the loss against a hand-computed value, the old-logprob
 path of several updates, the TIS shadow loss, and the skipped step."""
 
+import json
+
 import pytest
 import torch
 
@@ -37,10 +39,12 @@ class TinyDDP(torch.nn.Module):
 
 
 class SGD:
-    """Megatron's optimizer API: step() -> (success, grad norm, zeros in grad)."""
+    """Megatron's optimizer API: step() -> (success, grad norm, zeros in grad); the norm is a
+    float, or a 0-dim tensor as megatron-core returns it when TE is installed."""
 
-    def __init__(self, model):
+    def __init__(self, model, norm_as_tensor=False):
         self.model, self.inner = model, torch.optim.SGD(model.parameters(), lr=0.1)
+        self.norm_as_tensor = norm_as_tensor
 
     @property
     def param_groups(self):
@@ -50,9 +54,9 @@ class SGD:
         self.inner.zero_grad()
 
     def step(self):
-        norm = torch.cat([p.grad.flatten() for p in self.model.parameters()]).norm().item()
+        norm = torch.cat([p.grad.flatten() for p in self.model.parameters()]).norm()
         self.inner.step()
-        return True, norm, None
+        return True, norm if self.norm_as_tensor else norm.item(), None
 
 
 @pytest.fixture
@@ -85,6 +89,14 @@ def test_one_update_parity_and_loss(one_rank):
     assert metrics["bit_wise/logprob_diff/max"] == 0.0
     assert metrics["grad_norm"] > 0 and metrics["update_skipped"] == 0.0
     assert metrics["lr"] == 0.1 and metrics["optimizer_steps"] == 1
+
+
+def test_a_tensor_grad_norm_is_logged_as_a_float(one_rank):
+    model = TinyDDP()
+    metrics = train_on_rollouts(model, SGD(model, norm_as_tensor=True), _rollouts(model, [1.0, 0.5]),
+                                StepConfig(micro_batch_tokens=5))
+    assert type(metrics["grad_norm"]) is float and metrics["grad_norm"] > 0
+    json.dumps(metrics)  # the metrics file takes it
 
 
 def test_two_updates_use_the_old_logprobs_and_tis_shadow_loss(one_rank):
