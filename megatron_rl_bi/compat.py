@@ -136,3 +136,26 @@ def one_call_packed_rope() -> None:
 
     packed_rope.one_call = True
     rope_utils._apply_rotary_pos_emb_thd = packed_rope
+
+
+def fa4_hopper_without_split_kv() -> None:
+    """megatron-core 0.19.2's engine calls flash-attn-4 with `num_splits=0` (FA4's split-KV
+    heuristic) in default mode. flash-attn-4 4.0.0b36 has no split-KV kernel for SM90, yet its
+    heuristic picks one for decode steps over a long `max_seqlen_k` (CUDA-graph steps are sized
+    for the longest sequence) and then fails an assertion. On SM90 the request becomes
+    `num_splits=1`, the only kernel there; BI mode asks for 1 already. Idempotent. Remove once
+    flash-attn-4's heuristic knows the architecture."""
+    from megatron.core.transformer import attention
+
+    upstream = getattr(attention, "flash_attn4_varlen_func", None)
+    if upstream is None or getattr(upstream, "without_hopper_split_kv", False):
+        return
+
+    def varlen(q, *args, **kwargs):
+        if kwargs.get("num_splits", 1) < 1 and torch.cuda.get_device_capability(q.device)[0] == 9:
+            kwargs["num_splits"] = 1
+        return upstream(q, *args, **kwargs)
+
+    varlen.without_hopper_split_kv = True
+    attention.flash_attn4_varlen_func = varlen
+
