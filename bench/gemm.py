@@ -1,6 +1,7 @@
-"""The BI GEMM against cuBLAS and megatron-core's `matmul_persistent`, per shape (bf16), as
-time ratios within one run; and whether its bits equal megatron-core's kernel's (if they do,
-swapping kernels leaves every BI result file unchanged).
+"""The BI GEMM against cuBLAS and megatron-core's `matmul_persistent`, per shape and layout
+(bf16), as time ratios within one run: our TMA kernel alone, and what BI mode runs
+(`persistent_matmul`: megatron-core's kernel for small products); and whether the TMA kernel's
+bits equal megatron-core's (if they do, the swap leaves every BI result file unchanged).
 
   python bench/gemm.py --output results/bench_gemm_h200.json
 """
@@ -18,9 +19,13 @@ from bench.report import seconds, write_report  # noqa: E402
 from megatron_rl_bi.bi import gemm  # noqa: E402
 from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
 
-# (M, K, N): trainer shapes (16K tokens: QKV, FFN, output layer) and decode shapes (32-64 rows).
-SHAPES = [(8192, 2048, 8192), (16384, 2048, 3072), (16384, 2048, 12288), (16384, 6144, 2048),
-          (16384, 2048, 151936), (64, 4096, 12288), (32, 2048, 3072), (32, 2048, 151936)]
+# (M, K, N, layout): trainer shapes (16K tokens: QKV, FFN, output layer; forward x @ W.T, input
+# gradient dY @ W, weight gradient dY.T @ X) and decode shapes (32-64 rows).
+SHAPES = [(8192, 2048, 8192, "forward"), (16384, 2048, 3072, "forward"),
+          (16384, 2048, 12288, "forward"), (16384, 6144, 2048, "forward"),
+          (16384, 2048, 151936, "forward"), (16384, 6144, 2048, "input_gradient"),
+          (6144, 16384, 2048, "weight_gradient"), (2048, 16384, 12288, "weight_gradient"),
+          (64, 4096, 12288, "forward"), (32, 2048, 3072, "forward"), (32, 2048, 151936, "forward")]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,30 +35,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def measure(m: int, k: int, n: int, repeats: int) -> dict:
+def operands(m: int, k: int, n: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [M, K] and B [K, N] laid out as the layer's product has them: forward x @ W.T (B is a
+    transposed weight), input gradient dY @ W, weight gradient dY.T @ X (A is transposed)."""
     torch.manual_seed(0)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)  # x @ W.T, as a linear layer
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    if layout == "forward":
+        b = b.T.contiguous().T
+    elif layout == "weight_gradient":
+        a = a.T.contiguous().T
+    return a, b
+
+
+def measure(m: int, k: int, n: int, layout: str, repeats: int) -> dict:
+    a, b = operands(m, k, n, layout)
     times = {
-        "cublas_ms": seconds(lambda: a @ weight.T, repeats) * 1e3,
-        "mcore_persistent_ms": seconds(lambda: gemm._MCORE_MATMUL(a, weight.T), repeats) * 1e3,
-        "ours_ms": seconds(lambda: gemm.matmul(a, weight.T), repeats) * 1e3,
+        "cublas_ms": seconds(lambda: a @ b, repeats) * 1e3,
+        "mcore_persistent_ms": seconds(lambda: gemm.MCORE_MATMUL(a, b), repeats) * 1e3,
+        "ours_ms": seconds(lambda: gemm.matmul(a, b), repeats) * 1e3,
+        "bi_mode_ms": seconds(lambda: gemm.persistent_matmul(a, b), repeats) * 1e3,
     }
     return {
         "shape_mkn": [m, k, n],
+        "layout": layout,
         **times,
         "ours_over_cublas": times["ours_ms"] / times["cublas_ms"],
         "mcore_over_cublas": times["mcore_persistent_ms"] / times["cublas_ms"],
-        "bits_equal_mcore": torch.equal(gemm.matmul(a, weight.T), gemm._MCORE_MATMUL(a, weight.T)),
+        "bi_mode_over_cublas": times["bi_mode_ms"] / times["cublas_ms"],
+        "bi_mode_kernel": "tma" if m * n >= gemm.MIN_TMA_OUTPUTS else "megatron-core",
+        "bits_equal_mcore": torch.equal(gemm.matmul(a, b), gemm.MCORE_MATMUL(a, b)),
     }
 
 
 def main() -> None:
     args = build_parser().parse_args()
-    rows = [measure(m, k, n, args.repeats) for m, k, n in SHAPES]
+    rows = [measure(m, k, n, layout, args.repeats) for m, k, n, layout in SHAPES]
     report = {**provenance(), "shapes": rows}
-    summary = {f"{r['shape_mkn']}": {k: (round(v, 3) if isinstance(v, float) else v)
-                                     for k, v in r.items() if k != "shape_mkn"} for r in rows}
+    summary = {f"{r['shape_mkn']} {r['layout']}": {k: (round(v, 3) if isinstance(v, float) else v)
+                                                   for k, v in r.items() if k not in ("shape_mkn", "layout")}
+               for r in rows}
     write_report(report, summary, args.output)
 
 

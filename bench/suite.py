@@ -3,6 +3,7 @@ default on the same weights, each run checking its own BI parity) and the GEMM t
 (bench/gemm.py), gathered into one JSON with provenance and one PNG.
 
   python bench/suite.py --output results/bench_h200.json   # and results/bench_h200.png
+  python bench/suite.py --table results/bench_h200.json    # the README's table, from the file
 """
 
 import argparse
@@ -38,7 +39,9 @@ HEADLINE = {"dense16": "dense", "hybrid24": "hybrid"}
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", required=True, help="the JSON; the PNG goes beside it")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--output", help="the JSON; the PNG goes beside it")
+    target.add_argument("--table", help="print the Markdown table of an existing JSON; run nothing")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
     parser.add_argument("--extra-flags", default="",
                         help="added to every model's flags, e.g. '--cuda-graph-impl local "
@@ -86,6 +89,21 @@ def headline(models: dict) -> dict:
     return keys
 
 
+def markdown_table(report: dict) -> str:
+    """Per model: the BI / default ratios, both decode steps and BI's roofline fraction, and the
+    commit and extra flags the numbers came from."""
+    lines = ["| model | trainer fwd+bwd | RL update | generation | decode step BI / default "
+             "| BI decode, HBM roofline |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, m in report["models"].items():
+        lines.append(f"| {name} | {m['trainer_ratio']:.2f}x | {m['update_ratio']:.2f}x "
+                     f"| {m['generation_ratio']:.2f}x | {m['decode_ms_bi']:.1f} / {m['decode_ms_default']:.1f} ms "
+                     f"| {m['decode_roofline_fraction_bi']:.1%} |")
+    flags = report.get("extra_flags") or "none"
+    lines.append(f"\nBI time / default time, {report['device']}, commit {report['git_commit'][:7]}, "
+                 f"extra flags: {flags}.")
+    return "\n".join(lines)
+
+
 def plot(models: dict, path: str) -> None:
     import matplotlib
 
@@ -113,6 +131,10 @@ def plot(models: dict, path: str) -> None:
 
 def main() -> None:
     args = build_parser().parse_args()
+    if args.table:
+        with open(args.table) as f:
+            print(markdown_table(json.load(f)))
+        return
     workdir = tempfile.mkdtemp(prefix="bench_suite_")
     failures, models, profiles = [], {}, {}
     for name in args.models:

@@ -1,13 +1,18 @@
 """The batch-invariant GEMM behind aten::mm and aten::addmm in BI mode (bf16/fp16).
 
-megatron-core's `matmul_persistent` is batch-invariant but takes ~3.3x cuBLAS's time on the
-H200 (pointer loads, 128x128 tiles). This kernel is persistent too, and loads its tiles with TMA
-(host tensor descriptors, out-of-bounds zero-filled, so no masks). What keeps an output row's
+megatron-core's `matmul_persistent` is batch-invariant but slow on the H200: 1.3-1.5x cuBLAS's
+time on row-major training shapes, ~4x over a whole forward+backward (pointer loads of the
+transposed operands; bench/gemm.py, results/bench_h200.json). This kernel is persistent too, and
+loads its tiles with TMA (host tensor descriptors, out-of-bounds zero-filled, so no masks). What keeps an output row's
 bits independent of how many rows run with it: no split-K, and K reduced in order in BLOCK_K
 steps into one fp32 accumulator per tile. The M/N tile sizes are picked by M (small tiles for
-decode-sized M); on the H200 the bits were found not to depend on them (`tests/gpu`
-test_bi_gemm checks every config used). fp32 inputs, and tensors TMA cannot describe (a
-16-byte-misaligned base or stride), go to megatron-core's kernel.
+decode-sized M); on the H200 the bits were found not to depend on them, and to equal
+megatron-core's kernel's (same fp32 accumulation of BLOCK_K=64 steps in K order): tests/gpu
+test_bi_gemm checks every config and every layout. So `persistent_matmul`, the entry point the BI
+switch installs in megatron-core's place, may leave small products (decode steps, where the
+launch cost of three TMA descriptors outweighs the kernel) to megatron-core's kernel without
+changing a row's bits. fp32 inputs, and tensors TMA cannot describe (a 16-byte-misaligned base
+or stride), go to megatron-core's kernel too.
 """
 
 from dataclasses import dataclass
@@ -21,7 +26,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 BLOCK_K = 64
 GROUP_M = 8
 _TMA_ALIGNMENT_BYTES = 16
-_MCORE_MATMUL = _mcore_bik.matmul_persistent
+MCORE_MATMUL = _mcore_bik.matmul_persistent
+# Products with fewer outputs run megatron-core's kernel (bench/gemm.py on the H200: at 32-64 rows
+# and N <= 12288 its launch is cheaper; from 32 x 151936 up ours is faster).
+MIN_TMA_OUTPUTS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -117,7 +125,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         return c.zero_() if bias is None else c.copy_(bias.expand(m, n))
     a_view, b_view = _tma_view(a), _tma_view(b)
     if a.dtype not in (torch.bfloat16, torch.float16) or a_view is None or b_view is None:
-        return _MCORE_MATMUL(a, b, bias)
+        return MCORE_MATMUL(a, b, bias)
     config = config or tile_config(m)
     (a_tma, a_column_major), (b_tma, b_column_major) = a_view, b_view
     a_block = [BLOCK_K, config.block_m] if a_column_major else [config.block_m, BLOCK_K]
@@ -132,3 +140,13 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         num_stages=config.num_stages, num_warps=config.num_warps,
     )
     return c
+
+
+def persistent_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """megatron-core's `matmul_persistent(a, b, bias)`, which its aten::mm/addmm overrides and its
+    TE GEMM patch call: this TMA kernel for large products, megatron-core's for small ones (the
+    same bits either way)."""
+    if a.shape[0] * b.shape[1] < MIN_TMA_OUTPUTS:
+        return MCORE_MATMUL(a, b, bias)
+    return matmul(a, b, bias)
+

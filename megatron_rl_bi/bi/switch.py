@@ -2,8 +2,9 @@
 
 Turning it on routes aten mm/addmm/_log_softmax/mean.dim to megatron-core's batch-invariant Triton
 kernels (and, when TransformerEngine is installed, patches TE's GEMM and RMSNorm entry points the
-way megatron-core does). Modules of this package ask `enabled()` at forward time; nobody threads a
-flag through call chains.
+way megatron-core does), with this package's TMA GEMM (`bi.gemm.persistent_matmul`) in place of
+megatron-core's `matmul_persistent`, behind both the aten and the TE GEMM overrides. Modules of
+this package ask `enabled()` at forward time; nobody threads a flag through call chains.
 
 Departure from upstream: enabling is atomic. megatron-core's own `enable_batch_invariant_mode()`
 can fail half way (see compat.transformer_engine_optional); here a failure rolls everything back
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from megatron.core.transformer.custom_layers import batch_invariant_kernels as _mcore_bik
 
 from megatron_rl_bi import compat
+from megatron_rl_bi.bi import gemm
 
 
 class BatchInvariantModeError(RuntimeError):
@@ -32,8 +34,9 @@ def enable() -> None:
     try:
         with compat.transformer_engine_optional():
             _mcore_bik.enable_batch_invariant_mode()
+        _mcore_bik.matmul_persistent = gemm.persistent_matmul  # looked up at call time upstream
     except Exception as exc:
-        _mcore_bik.disable_batch_invariant_mode()
+        disable()
         raise BatchInvariantModeError(
             f"could not enable batch-invariant mode ({type(exc).__name__}: {exc}); "
             "every override was rolled back"
@@ -42,6 +45,7 @@ def enable() -> None:
 
 def disable() -> None:
     _mcore_bik.disable_batch_invariant_mode()
+    _mcore_bik.matmul_persistent = gemm.MCORE_MATMUL
 
 
 @contextlib.contextmanager

@@ -1,6 +1,8 @@
 """The TMA GEMM (megatron_rl_bi.bi.gemm) on the GPU, bf16: rows independent of M in every
-layout the model's forward and backward use, every tile config the same bits, and the product
-within bf16 rounding of cuBLAS's."""
+layout the model's forward and backward use, every tile config the same bits, the same bits as
+megatron-core's kernel in every layout (so routing small products to it keeps rows independent
+of M, and the BI results of earlier commits stand), and the product within bf16 rounding of
+cuBLAS's."""
 
 import pytest
 import torch
@@ -38,10 +40,35 @@ def test_every_tile_config_gives_the_same_bits():
 
 def test_column_major_a_weight_gradient_layout():
     """dW = dY.T @ X: A is column-major; the reduction runs over the tokens."""
-    dy, x = _operands(8192, 1024, 2048)
+    torch.manual_seed(0)
+    dy = torch.randn(8192, 1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
     dw = gemm.matmul(dy.T, x)
     reference = dy.T.float() @ x.float()
     assert (dw.float() - reference).norm() / reference.norm() < 1e-2
+
+
+# (M, K, N) and layout: forward x @ W.T, input gradient dY @ W, weight gradient dY.T @ X.
+LAYOUTS = {
+    "forward": lambda a, b: (a, b.T.contiguous().T),
+    "input_gradient": lambda a, b: (a, b),
+    "weight_gradient": lambda a, b: (a.T.contiguous().T, b),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("m", [1, 32, 200, 3000])
+def test_same_bits_as_megatron_cores_kernel(layout, m):
+    a, b = LAYOUTS[layout](*_operands(m, 2048, 1408))
+    assert torch.equal(gemm.matmul(a, b), gemm.MCORE_MATMUL(a, b))
+
+
+def test_the_routed_entry_point_keeps_rows_independent_of_m():
+    """persistent_matmul sends the 8-row product to megatron-core's kernel and the full one to
+    the TMA kernel: the rows still agree."""
+    a, b = _operands(4096, 2048, 4096)
+    assert 8 * 4096 < gemm.MIN_TMA_OUTPUTS <= 4096 * 4096
+    assert torch.equal(gemm.persistent_matmul(a[:8], b), gemm.persistent_matmul(a, b)[:8])
 
 
 def test_close_to_cublas():

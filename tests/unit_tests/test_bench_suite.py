@@ -42,3 +42,12 @@ def test_every_models_flags_parse(name):
     profile_steps = _module("bench/profile_steps.py")
     args = build_parser(profile_steps.add_profile_args).parse_args(suite.COMMON + suite.MODELS[name])
     assert args.hidden_size == 2048 and args.flash_attention_version == 4
+
+
+def test_markdown_table_from_a_report():
+    model = suite.summarize({"bi": {**MODE, "train_fwd_bwd_s": 1.5}, "default": MODE})
+    report = {"device": "NVIDIA H200", "git_commit": "0123456789abcdef", "extra_flags": "",
+              "models": {"dense16": model}}
+    assert suite.markdown_table(report).splitlines()[2] == (
+        "| dense16 | 1.50x | 1.00x | 1.00x | 30.0 / 30.0 ms | 2.0% |")
+    assert "commit 0123456, extra flags: none." in suite.markdown_table(report)

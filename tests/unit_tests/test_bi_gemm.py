@@ -63,7 +63,7 @@ def test_empty_and_k0_products():
 
 def test_what_tma_cannot_describe_goes_to_megatron_core(monkeypatch):
     calls = []
-    monkeypatch.setattr(gemm, "_MCORE_MATMUL", lambda a, b, bias: calls.append(a.shape) or a.float() @ b.float())
+    monkeypatch.setattr(gemm, "MCORE_MATMUL", lambda a, b, bias: calls.append(a.shape) or a.float() @ b.float())
     a, b = _operands(8, 60, 128)  # a's row stride: 120 bytes, not a multiple of 16
     gemm.matmul(a, b)
     gemm.matmul(a.float(), b.float()[:60])  # fp32
@@ -73,3 +73,13 @@ def test_what_tma_cannot_describe_goes_to_megatron_core(monkeypatch):
 def test_mismatched_operands_are_refused():
     with pytest.raises(ValueError, match=r"matmul of \(8, 64\) torch.float16 and \(32, 128\)"):
         gemm.matmul(torch.zeros(8, 64).half(), torch.zeros(32, 128).half())
+
+
+def test_small_products_go_to_megatron_cores_kernel(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gemm, "MCORE_MATMUL", lambda a, b, bias: calls.append("mcore"))
+    monkeypatch.setattr(gemm, "matmul", lambda a, b, bias: calls.append("tma"))
+    rows_at_the_limit = gemm.MIN_TMA_OUTPUTS // 4096
+    for rows in (1, rows_at_the_limit - 1, rows_at_the_limit, 16384):
+        gemm.persistent_matmul(torch.empty(rows, 8), torch.empty(8, 4096))
+    assert calls == ["mcore", "mcore", "tma", "tma"]

@@ -6,6 +6,7 @@ import torch
 from megatron.core.transformer.custom_layers import batch_invariant_kernels as mcore_bik
 
 from megatron_rl_bi import bi, compat
+from megatron_rl_bi.bi import gemm
 
 
 @pytest.fixture
@@ -34,6 +35,13 @@ def test_enable_routes_mm_and_disable_restores(mm_calls):
     assert len(mm_calls) == 1
 
 
+def test_the_bi_gemm_is_ours_while_on(mm_calls):
+    bi.enable()
+    assert mcore_bik.matmul_persistent is gemm.persistent_matmul
+    bi.disable()
+    assert mcore_bik.matmul_persistent is gemm.MCORE_MATMUL
+
+
 def test_enable_is_idempotent(mm_calls):
     bi.enable()
     bi.enable()
@@ -51,7 +59,7 @@ def test_failed_enable_rolls_everything_back(mm_calls, monkeypatch):
     monkeypatch.setattr(mcore_bik, "_te_patch_for_batch_invariant", broken_te_patch)
     with pytest.raises(bi.BatchInvariantModeError, match="rolled back"):
         bi.enable()
-    assert not bi.enabled()
+    assert not bi.enabled() and mcore_bik.matmul_persistent is gemm.MCORE_MATMUL
     torch.mm(torch.randn(2, 2), torch.randn(2, 2))
     assert mm_calls == []
 
