@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.report import seconds, write_report  # noqa: E402
+from bench.report import graphed_seconds, seconds, write_report  # noqa: E402
 
 from megatron_rl_bi.bi import gemm  # noqa: E402
 from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
@@ -25,7 +25,10 @@ SHAPES = [(8192, 2048, 8192, "forward"), (16384, 2048, 3072, "forward"),
           (16384, 2048, 12288, "forward"), (16384, 6144, 2048, "forward"),
           (16384, 2048, 151936, "forward"), (16384, 6144, 2048, "input_gradient"),
           (6144, 16384, 2048, "weight_gradient"), (2048, 16384, 12288, "weight_gradient"),
-          (64, 4096, 12288, "forward"), (32, 2048, 3072, "forward"), (32, 2048, 151936, "forward")]
+          (64, 4096, 12288, "forward"), (32, 2048, 3072, "forward"), (32, 2048, 2048, "forward"),
+          (32, 2048, 151936, "forward")]
+# Tiles tried at decode sizes (M <= 64), timed inside a CUDA graph; the bits must not change.
+DECODE_TILES = [gemm.TileConfig(64, n, 4, 4) for n in (32, 64, 128)] + [gemm.TileConfig(64, 256, 3, 8)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,14 +51,31 @@ def operands(m: int, k: int, n: int, layout: str) -> tuple[torch.Tensor, torch.T
     return a, b
 
 
+def decode_tiles(a: torch.Tensor, b: torch.Tensor, repeats: int) -> list[dict]:
+    reference = gemm.MCORE_MATMUL(a, b)
+    return [{"block_m": t.block_m, "block_n": t.block_n,
+             "graphed_ms": graphed_seconds(lambda t=t: gemm.matmul(a, b, config=t), repeats) * 1e3,
+             "bits_equal_mcore": torch.equal(gemm.matmul(a, b, config=t), reference)}
+            for t in DECODE_TILES]
+
+
+def graphed(a: torch.Tensor, b: torch.Tensor, kernels: dict, repeats: int) -> dict:
+    """Decode sizes as a graphed step pays them (GPU time only; BI mode runs ours there)."""
+    times = {f"{name}_graphed_ms": graphed_seconds(kernels[name], repeats) * 1e3
+             for name in ("cublas", "mcore_persistent", "ours")}
+    return {**times,
+            "ours_graphed_over_cublas": times["ours_graphed_ms"] / times["cublas_graphed_ms"],
+            "mcore_graphed_over_cublas": times["mcore_persistent_graphed_ms"] / times["cublas_graphed_ms"],
+            "decode_tiles": decode_tiles(a, b, repeats)}
+
+
 def measure(m: int, k: int, n: int, layout: str, repeats: int) -> dict:
+    """Eager times (launch included, as an eager step pays it) of cuBLAS, megatron-core's kernel,
+    ours and what BI mode runs; at decode sizes (M <= 64) also graphed times."""
     a, b = operands(m, k, n, layout)
-    times = {
-        "cublas_ms": seconds(lambda: a @ b, repeats) * 1e3,
-        "mcore_persistent_ms": seconds(lambda: gemm.MCORE_MATMUL(a, b), repeats) * 1e3,
-        "ours_ms": seconds(lambda: gemm.matmul(a, b), repeats) * 1e3,
-        "bi_mode_ms": seconds(lambda: gemm.persistent_matmul(a, b), repeats) * 1e3,
-    }
+    kernels = {"cublas": lambda: a @ b, "mcore_persistent": lambda: gemm.MCORE_MATMUL(a, b),
+               "ours": lambda: gemm.matmul(a, b), "bi_mode": lambda: gemm.persistent_matmul(a, b)}
+    times = {f"{name}_ms": seconds(fn, repeats) * 1e3 for name, fn in kernels.items()}
     return {
         "shape_mkn": [m, k, n],
         "layout": layout,
@@ -65,6 +85,7 @@ def measure(m: int, k: int, n: int, layout: str, repeats: int) -> dict:
         "bi_mode_over_cublas": times["bi_mode_ms"] / times["cublas_ms"],
         "bi_mode_kernel": "tma" if m * n >= gemm.MIN_TMA_OUTPUTS else "megatron-core",
         "bits_equal_mcore": torch.equal(gemm.matmul(a, b), gemm.MCORE_MATMUL(a, b)),
+        **(graphed(a, b, kernels, repeats) if m <= 64 else {}),
     }
 
 
@@ -73,7 +94,7 @@ def main() -> None:
     rows = [measure(m, k, n, layout, args.repeats) for m, k, n, layout in SHAPES]
     report = {**provenance(), "shapes": rows}
     summary = {f"{r['shape_mkn']} {r['layout']}": {k: (round(v, 3) if isinstance(v, float) else v)
-                                                   for k, v in r.items() if k not in ("shape_mkn", "layout")}
+                                                   for k, v in r.items() if k.endswith(("over_cublas", "mcore"))}
                for r in rows}
     write_report(report, summary, args.output)
 

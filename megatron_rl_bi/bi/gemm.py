@@ -9,9 +9,10 @@ steps into one fp32 accumulator per tile. The M/N tile sizes are picked by M (sm
 decode-sized M); on the H200 the bits were found not to depend on them, and to equal
 megatron-core's kernel's (same fp32 accumulation of BLOCK_K=64 steps in K order): tests/gpu
 test_bi_gemm checks every config and every layout. So `persistent_matmul`, the entry point the BI
-switch installs in megatron-core's place, may leave small products (decode steps, where the
-launch cost of three TMA descriptors outweighs the kernel) to megatron-core's kernel without
-changing a row's bits. fp32 inputs, and tensors TMA cannot describe (a 16-byte-misaligned base
+switch installs in megatron-core's place, may leave small eager products (decode steps without
+CUDA graphs, where the launch cost of three TMA descriptors outweighs the kernel) to
+megatron-core's kernel without changing a row's bits; under graph capture launch cost is paid
+once, so the TMA kernel runs at every size. fp32 inputs, and tensors TMA cannot describe (a 16-byte-misaligned base
 or stride), go to megatron-core's kernel too.
 """
 
@@ -27,8 +28,8 @@ BLOCK_K = 64
 GROUP_M = 8
 _TMA_ALIGNMENT_BYTES = 16
 MCORE_MATMUL = _mcore_bik.matmul_persistent
-# Products with fewer outputs run megatron-core's kernel (bench/gemm.py on the H200: at 32-64 rows
-# and N <= 12288 its launch is cheaper; from 32 x 151936 up ours is faster).
+# Eager products with fewer outputs run megatron-core's kernel (bench/gemm.py on the H200: at 32-64
+# rows and N <= 12288 its launch is cheaper; from 32 x 151936 up ours is faster).
 MIN_TMA_OUTPUTS = 1 << 22
 
 
@@ -40,9 +41,10 @@ class TileConfig:
     num_warps: int
 
 
-# (largest M, config), first match wins; every config reduces K the same way.
+# (largest M, config), first match wins; every config reduces K the same way. Decode-sized M
+# takes narrow N tiles: a memory-bound product needs many programs streaming the weight.
 TILE_CONFIGS = (
-    (64, TileConfig(64, 128, 4, 4)),
+    (64, TileConfig(64, 64, 4, 4)),
     (256, TileConfig(128, 128, 4, 8)),
     (None, TileConfig(128, 256, 3, 8)),
 )
@@ -144,9 +146,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
 def persistent_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """megatron-core's `matmul_persistent(a, b, bias)`, which its aten::mm/addmm overrides and its
-    TE GEMM patch call: this TMA kernel for large products, megatron-core's for small ones (the
-    same bits either way)."""
-    if a.shape[0] * b.shape[1] < MIN_TMA_OUTPUTS:
+    TE GEMM patch call: this TMA kernel for large products and inside CUDA graphs, megatron-core's
+    for small eager ones (the same bits either way)."""
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if a.shape[0] * b.shape[1] < MIN_TMA_OUTPUTS and not capturing:
         return MCORE_MATMUL(a, b, bias)
     return matmul(a, b, bias)
 

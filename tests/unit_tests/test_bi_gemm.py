@@ -3,7 +3,7 @@ tensor descriptors): every operand layout, bias, K and N tails, the tile picked 
 fallback to megatron-core's kernel. Values are compared with an fp32 product within fp16
 rounding of the output (not a bitwise claim: torch's CPU GEMM is another kernel); the bitwise
 claims (rows independent of M, every tile config the same bits) are GPU tests
-(tests/gpu/test_bi_kernels.py)."""
+(tests/gpu/test_bi_gemm.py)."""
 
 import pytest
 import torch
@@ -51,7 +51,7 @@ def test_rows_of_a_small_batch_equal_the_same_rows_of_a_large_one():
 
 def test_tile_picked_by_m():
     assert [gemm.tile_config(m).block_m for m in (1, 64, 65, 256, 257, 100_000)] == [64, 64, 128, 128, 128, 128]
-    assert gemm.tile_config(100_000).block_n == 256
+    assert [gemm.tile_config(m).block_n for m in (1, 64, 65, 100_000)] == [64, 64, 128, 256]
 
 
 def test_empty_and_k0_products():
@@ -83,3 +83,13 @@ def test_small_products_go_to_megatron_cores_kernel(monkeypatch):
     for rows in (1, rows_at_the_limit - 1, rows_at_the_limit, 16384):
         gemm.persistent_matmul(torch.empty(rows, 8), torch.empty(8, 4096))
     assert calls == ["mcore", "mcore", "tma", "tma"]
+
+
+def test_under_graph_capture_every_product_takes_the_tma_kernel(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gemm, "MCORE_MATMUL", lambda a, b, bias: calls.append("mcore"))
+    monkeypatch.setattr(gemm, "matmul", lambda a, b, bias: calls.append("tma"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    gemm.persistent_matmul(torch.empty(1, 8), torch.empty(8, 4096))
+    assert calls == ["tma"]
