@@ -1,7 +1,8 @@
 """Batch-invariant versions of the ops megatron-core's overrides leave out on the non-TE path.
 
 - `rms_norm`: the local spec's torch RMSNorm is not patched upstream; in BI mode it runs
-  megatron-core's `BatchInvariantRMSNormFn` (the one its TE patch uses), else `F.rms_norm`.
+  megatron-core's `BatchInvariantRMSNormFn` (the one its TE patch uses), else `F.rms_norm`; a
+  zero-centered weight (`1 + weight`) is added in fp32 in both modes.
 - `selective_log_softmax`: log p(token) in fp32 for each row, of the distribution at a sampling
   temperature. It calls `torch.log_softmax` on fp32 logits (divided by the temperature the way
   megatron-core's torch sampling backend divides them for processed logprobs), exactly as the
@@ -22,10 +23,11 @@ LOG_SOFTMAX_CHUNK_ROWS = 2048
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool = False
 ) -> torch.Tensor:
-    if enabled():
+    if enabled():  # zero-centering by compat.ZeroCenteredBatchInvariantRMSNormFn
         return _mcore_bik.BatchInvariantRMSNormFn.apply(x, weight, eps, zero_centered_gamma)
-    gamma = weight + 1 if zero_centered_gamma else weight
-    return F.rms_norm(x, (x.shape[-1],), gamma, eps)
+    if zero_centered_gamma:  # in fp32, as transformers' Qwen3.5 norm: 1 + weight is not rounded
+        return F.rms_norm(x.float(), (x.shape[-1],), weight.float() + 1, eps).to(x.dtype)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def sampling_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -32,6 +32,7 @@ def enable() -> None:
     if enabled():
         return
     try:
+        compat.zero_centered_bi_rms_norm()
         with compat.transformer_engine_optional():
             _mcore_bik.enable_batch_invariant_mode()
         _mcore_bik.matmul_persistent = gemm.persistent_matmul  # looked up at call time upstream

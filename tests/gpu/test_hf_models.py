@@ -1,6 +1,8 @@
 """Architectures imported from Hugging Face checkpoints keep bitwise engine/trainer parity in BI
 mode (GPU): Qwen3 (QK norm) and Qwen3.5 (GDN, gated attention with head dim 256, partial rotary,
-zero-centred norms), tiny random checkpoints written by transformers in the test."""
+zero-centred norms), tiny random checkpoints written by transformers in the test; and in both
+modes their logits agree with transformers' (parity alone cannot show a layer computed wrongly
+on both sides, e.g. a norm scaled by the wrong weight)."""
 
 import os
 import sys
@@ -13,6 +15,7 @@ from hf_checkpoints import qwen35_text_config, save_qwen3, save_qwen35  # noqa: 
 
 from megatron_rl_bi import bi  # noqa: E402
 from megatron_rl_bi.checkpoints.hf import load_hf_weights, read_hf_model  # noqa: E402
+from megatron_rl_bi.checkpoints.hf.verify import verify  # noqa: E402
 from megatron_rl_bi.config import parse_rl_args  # noqa: E402
 from megatron_rl_bi.inference import EngineConfig, Generator, Sampling  # noqa: E402
 from megatron_rl_bi.parity.harness import random_requests, run_parity  # noqa: E402
@@ -23,12 +26,12 @@ ENGINE = EngineConfig(max_requests=32, max_tokens=4096, max_sequence_length=256,
                       buffer_size_gb=1.0, prompt_logprobs=True)
 
 
-def _bi_model(path):
+def _bi_model(path, batch_invariant=True):
     from megatron_rl_bi.models.build import build_model
 
-    args = parse_rl_args(["--hf-checkpoint", path, "--bf16", "--batch-invariant-mode",
-                          "--flash-attention-version", "4", "--transformer-impl", "local"])
-    bi.enable()
+    args = parse_rl_args(["--hf-checkpoint", path, "--bf16", "--flash-attention-version", "4",
+                          "--transformer-impl", "local"] + ["--batch-invariant-mode"] * batch_invariant)
+    bi.enable() if batch_invariant else bi.disable()
     model = build_model(args, args.vocab_size)
     load_hf_weights(model, read_hf_model(path))
     return model
@@ -53,6 +56,21 @@ def test_imported_model_engine_matches_trainer(tmp_path, distributed, family):
     assert metrics["bit_wise/tokens"] >= 1000
     assert metrics["bit_wise/logprob_diff/max"] == 0.0, metrics
     assert metrics["bit_wise/ratio_tokens_different"] == 0.0, metrics
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False], ids=["bi", "default"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_imported_model_logits_match_transformers(tmp_path, distributed, family, batch_invariant):
+    """tools/convert_hf.py's verify rule: at most twice as far from transformers' fp32 forward as
+    transformers' own bf16 forward (the checkpoints' norm weights are random, not 0 or 1)."""
+    path = str(tmp_path / "hf")
+    save_qwen3(path) if family == "qwen3" else save_qwen35(path)
+    try:
+        model = _bi_model(path, batch_invariant)
+        report = verify(model, path, read_hf_model(path).vocab_size)
+    finally:
+        bi.disable()
+    assert report["passed"], report
 
 
 def test_head_dim_256_gated_attention(tmp_path, distributed):

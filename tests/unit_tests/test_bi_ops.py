@@ -3,7 +3,7 @@ import torch
 from megatron.core.transformer.custom_layers import batch_invariant_kernels as mcore_bik
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_rl_bi import bi
+from megatron_rl_bi import bi, compat
 from megatron_rl_bi.models.norm import RMSNorm
 
 
@@ -85,6 +85,40 @@ def test_rms_norm_zero_centered_gamma():
     assert torch.equal(norm.weight, torch.zeros(8))
     expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
     assert torch.allclose(norm(x), expected, atol=1e-6)
+
+
+def test_zero_centered_default_mode_adds_one_in_fp32():
+    """transformers' Qwen3.5 norm: x and 1 + weight in fp32, then the output dtype. The bf16
+    weight + 1 rounded in bf16 would lose the weight's low bits (1 + 2**-9 is not a bf16)."""
+    torch.manual_seed(0)
+    norm = RMSNorm(_config(layernorm_zero_centered_gamma=True), hidden_size=8)
+    with torch.no_grad():
+        norm.weight.copy_(torch.full((8,), 2.0 ** -9))
+    x = torch.randn(3, 8).bfloat16()
+    xf = x.float()
+    expected = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * (1 + 2.0 ** -9)).bfloat16()
+    # F.rms_norm and this formula may round the fp32 statistic differently: one bf16 ulp at most
+    assert torch.allclose(norm(x).float(), expected.float(), rtol=2 ** -8, atol=0)
+
+
+def test_zero_centered_bi_mode_scales_by_one_plus_weight(monkeypatch):
+    """megatron-core's BI RMSNorm forward drops zero-centering; compat passes 1 + weight (fp32)."""
+    seen = []
+
+    class Upstream:
+        @staticmethod
+        def apply(x, weight, eps, zero_centered_gamma):
+            seen.append((weight, zero_centered_gamma))
+            return x * weight
+
+    monkeypatch.setattr(compat.ZeroCenteredBatchInvariantRMSNormFn, "upstream", Upstream)
+    weight = torch.full((8,), 2.0 ** -9, dtype=torch.bfloat16, requires_grad=True)
+    with bi.batch_invariant():
+        out = bi.rms_norm(torch.ones(2, 8), weight, 1e-6, zero_centered_gamma=True)
+    (scale, flag), = seen
+    assert flag is False and scale.dtype == torch.float32 and torch.equal(scale, torch.full((8,), 1 + 2.0 ** -9))
+    out.sum().backward()
+    assert torch.equal(weight.grad, torch.full((8,), 2.0, dtype=torch.bfloat16))
 
 
 def test_rms_norm_uses_megatron_bi_kernel_when_switched_on(monkeypatch):
