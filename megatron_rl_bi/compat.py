@@ -158,28 +158,3 @@ def fa4_hopper_without_split_kv() -> None:
 
     varlen.without_hopper_split_kv = True
     attention.flash_attn4_varlen_func = varlen
-
-
-class ZeroCenteredBatchInvariantRMSNormFn:
-    """megatron-core 0.19.2's `BatchInvariantRMSNormFn` forward ignores `zero_centered_gamma`: it
-    computes `weight + 1` and then scales by `weight` (its backward does use `1 + weight`), so in
-    BI mode every RMSNorm of a zero-centered model (--apply-layernorm-1p; Qwen3.5) scaled by the
-    raw weight, near 0. Zero-centered calls get `1 + weight` in fp32 (as megatron-core's TE fused
-    path and transformers' Qwen3.5 compute it) as a plain weight; autograd carries the gradient
-    back to `weight`. Other calls are unchanged. Remove once upstream scales by its effective
-    weight."""
-
-    upstream = _mcore_bik.BatchInvariantRMSNormFn
-
-    @staticmethod
-    def apply(x, weight, eps, zero_centered_gamma):
-        if zero_centered_gamma:
-            weight = weight.float() + 1.0
-        return ZeroCenteredBatchInvariantRMSNormFn.upstream.apply(x, weight, eps, False)
-
-
-def zero_centered_bi_rms_norm() -> None:
-    """Installs `ZeroCenteredBatchInvariantRMSNormFn` where megatron-core's callers look it up
-    (its TE RMSNorm patch, and `bi.rms_norm`). Idempotent."""
-    _mcore_bik.BatchInvariantRMSNormFn = ZeroCenteredBatchInvariantRMSNormFn
-

@@ -1,8 +1,8 @@
 """Batch-invariant versions of the ops megatron-core's overrides leave out on the non-TE path.
 
 - `rms_norm`: the local spec's torch RMSNorm is not patched upstream; in BI mode it runs
-  megatron-core's `BatchInvariantRMSNormFn` (the one its TE patch uses), else `F.rms_norm`; a
-  zero-centered weight (`1 + weight`) is added in fp32 in both modes.
+  `bi.rmsnorm.BatchInvariantRMSNorm` (which the switch also puts behind megatron-core's TE norm
+  patch), else `F.rms_norm`; a zero-centred weight (`1 + weight`) is formed in fp32 in both.
 - `selective_log_softmax`: log p(token) in fp32 for each row, of the distribution at a sampling
   temperature. It calls `torch.log_softmax` on fp32 logits (divided by the temperature the way
   megatron-core's torch sampling backend divides them for processed logprobs), exactly as the
@@ -13,8 +13,8 @@
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer.custom_layers import batch_invariant_kernels as _mcore_bik
 
+from megatron_rl_bi.bi.rmsnorm import BatchInvariantRMSNorm
 from megatron_rl_bi.bi.switch import enabled
 
 LOG_SOFTMAX_CHUNK_ROWS = 2048
@@ -23,8 +23,8 @@ LOG_SOFTMAX_CHUNK_ROWS = 2048
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool = False
 ) -> torch.Tensor:
-    if enabled():  # zero-centering by compat.ZeroCenteredBatchInvariantRMSNormFn
-        return _mcore_bik.BatchInvariantRMSNormFn.apply(x, weight, eps, zero_centered_gamma)
+    if enabled():
+        return BatchInvariantRMSNorm.apply(x, weight, eps, zero_centered_gamma)
     if zero_centered_gamma:  # in fp32, as transformers' Qwen3.5 norm: 1 + weight is not rounded
         return F.rms_norm(x.float(), (x.shape[-1],), weight.float() + 1, eps).to(x.dtype)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)

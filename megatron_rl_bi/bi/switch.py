@@ -2,9 +2,11 @@
 
 Turning it on routes aten mm/addmm/_log_softmax/mean.dim to megatron-core's batch-invariant Triton
 kernels (and, when TransformerEngine is installed, patches TE's GEMM and RMSNorm entry points the
-way megatron-core does), with this package's TMA GEMM (`bi.gemm.persistent_matmul`) in place of
-megatron-core's `matmul_persistent`, behind both the aten and the TE GEMM overrides. Modules of
-this package ask `enabled()` at forward time; nobody threads a flag through call chains.
+way megatron-core does), with two of megatron-core's kernels replaced where its overrides and TE
+patches look them up: its GEMM (`matmul_persistent`) by `bi.gemm.persistent_matmul`, its RMSNorm
+(`BatchInvariantRMSNormFn`, whose forward also drops zero-centred gamma) by
+`bi.rmsnorm.BatchInvariantRMSNorm`. Modules of this package ask `enabled()` at forward time;
+nobody threads a flag through call chains.
 
 Departure from upstream: enabling is atomic. megatron-core's own `enable_batch_invariant_mode()`
 can fail half way (see compat.transformer_engine_optional); here a failure rolls everything back
@@ -17,7 +19,12 @@ from collections.abc import Iterator
 from megatron.core.transformer.custom_layers import batch_invariant_kernels as _mcore_bik
 
 from megatron_rl_bi import compat
-from megatron_rl_bi.bi import gemm
+from megatron_rl_bi.bi import gemm, rmsnorm
+
+# megatron-core's BI kernels that its overrides and TE patches look up at call time, and ours.
+_OURS = {"matmul_persistent": gemm.persistent_matmul,
+         "BatchInvariantRMSNormFn": rmsnorm.BatchInvariantRMSNorm}
+_UPSTREAM = {name: getattr(_mcore_bik, name) for name in _OURS}
 
 
 class BatchInvariantModeError(RuntimeError):
@@ -32,10 +39,10 @@ def enable() -> None:
     if enabled():
         return
     try:
-        compat.zero_centered_bi_rms_norm()
         with compat.transformer_engine_optional():
             _mcore_bik.enable_batch_invariant_mode()
-        _mcore_bik.matmul_persistent = gemm.persistent_matmul  # looked up at call time upstream
+        for name, kernel in _OURS.items():
+            setattr(_mcore_bik, name, kernel)
     except Exception as exc:
         disable()
         raise BatchInvariantModeError(
@@ -46,7 +53,8 @@ def enable() -> None:
 
 def disable() -> None:
     _mcore_bik.disable_batch_invariant_mode()
-    _mcore_bik.matmul_persistent = gemm.MCORE_MATMUL
+    for name, kernel in _UPSTREAM.items():
+        setattr(_mcore_bik, name, kernel)
 
 
 @contextlib.contextmanager

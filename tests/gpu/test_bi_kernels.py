@@ -28,12 +28,32 @@ def test_matmul_rows_invariant(bi_on):
     _rows_alone_equal(linear, a, [slice(0, 1), slice(5, 12), slice(100, 1100), slice(4095, 4096)])
 
 
-def test_rms_norm_rows_invariant(bi_on):
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("d", [2048, 2560, 8192])
+def test_rms_norm_rows_invariant(bi_on, d, zero_centered):
     torch.manual_seed(0)
-    x = torch.randn(3000, 4096, device="cuda", dtype=torch.bfloat16)
-    weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
-    norm = lambda rows: bi.rms_norm(rows, weight, 1e-5)  # noqa: E731
+    x = torch.randn(3000, d, device="cuda", dtype=torch.bfloat16)
+    weight = torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5
+    norm = lambda rows: bi.rms_norm(rows, weight, 1e-5, zero_centered)  # noqa: E731
     _rows_alone_equal(norm, x, [slice(0, 1), slice(7, 300), slice(2999, 3000)])
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_rms_norm_forward_and_backward_close_to_the_default_mode(zero_centered):
+    """Not a bitwise claim (another reduction order than F.rms_norm): output, dx and dw (all
+    bf16) within 1e-2 relative L2, a few bf16 roundings (2**-9 each)."""
+    torch.manual_seed(0)
+    x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.rand(2048, device="cuda") * 0.2).bfloat16().requires_grad_()
+    dy = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for on in (True, False):
+        with bi.batch_invariant(on):
+            out = bi.rms_norm(x, weight, 1e-6, zero_centered)
+        dx, dw = torch.autograd.grad(out, (x, weight), dy)
+        results.append([t.float() for t in (out, dx, dw)])
+    for name, ours, theirs in zip(("output", "dx", "dw"), *results):
+        assert (ours - theirs).norm() / theirs.norm() < 1e-2, name
 
 
 def test_selective_log_softmax_rows_invariant(bi_on):

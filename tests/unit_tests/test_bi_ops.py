@@ -3,7 +3,8 @@ import torch
 from megatron.core.transformer.custom_layers import batch_invariant_kernels as mcore_bik
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_rl_bi import bi, compat
+from megatron_rl_bi import bi
+from megatron_rl_bi.bi.rmsnorm import BatchInvariantRMSNorm
 from megatron_rl_bi.models.norm import RMSNorm
 
 
@@ -101,31 +102,9 @@ def test_zero_centered_default_mode_adds_one_in_fp32():
     assert torch.allclose(norm(x).float(), expected.float(), rtol=2 ** -8, atol=0)
 
 
-def test_zero_centered_bi_mode_scales_by_one_plus_weight(monkeypatch):
-    """megatron-core's BI RMSNorm forward drops zero-centering; compat passes 1 + weight (fp32)."""
+def test_rms_norm_uses_the_bi_kernel_when_switched_on(monkeypatch):
     seen = []
-
-    class Upstream:
-        @staticmethod
-        def apply(x, weight, eps, zero_centered_gamma):
-            seen.append((weight, zero_centered_gamma))
-            return x * weight
-
-    monkeypatch.setattr(compat.ZeroCenteredBatchInvariantRMSNormFn, "upstream", Upstream)
-    weight = torch.full((8,), 2.0 ** -9, dtype=torch.bfloat16, requires_grad=True)
-    with bi.batch_invariant():
-        out = bi.rms_norm(torch.ones(2, 8), weight, 1e-6, zero_centered_gamma=True)
-    (scale, flag), = seen
-    assert flag is False and scale.dtype == torch.float32 and torch.equal(scale, torch.full((8,), 1 + 2.0 ** -9))
-    out.sum().backward()
-    assert torch.equal(weight.grad, torch.full((8,), 2.0, dtype=torch.bfloat16))
-
-
-def test_rms_norm_uses_megatron_bi_kernel_when_switched_on(monkeypatch):
-    seen = []
-    monkeypatch.setattr(
-        mcore_bik.BatchInvariantRMSNormFn, "apply", lambda *args: seen.append(args) or args[0]
-    )
+    monkeypatch.setattr(BatchInvariantRMSNorm, "apply", lambda *args: seen.append(args) or args[0])
     norm = RMSNorm(_config(), hidden_size=8, eps=1e-6)
     x = torch.randn(2, 8)
     with bi.batch_invariant():
