@@ -26,6 +26,7 @@ def engine_config_from_args(args: argparse.Namespace, prompt_logprobs: bool = Fa
         cuda_graphs=(args.inference_dynamic_batching_num_cuda_graphs
                      if args.cuda_graph_impl == "local" else None),
         cuda_graphs_decode_only=args.decode_only_cuda_graphs,
+        async_scheduling=args.inference_dynamic_batching_async_sched_mode == "async",
     )
 
 

@@ -55,6 +55,10 @@ class EngineConfig:
     with --cuda-graph-impl local --inference-cuda-graph-scope block."""
     cuda_graphs_decode_only: bool = False
     """Graphs for decode-only steps alone (--decode-only-cuda-graphs)."""
+    async_scheduling: bool = False
+    """megatron-core's async scheduling (--inference-dynamic-batching-async-sched-mode async):
+    a step's next forward is prepared before its requests are resolved, so host bookkeeping
+    overlaps the GPU. Which tokens run together changes; with BI their bits do not."""
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -151,6 +155,7 @@ class Generator:
             sampling_backend="torch",
             num_cuda_graphs=config.cuda_graphs,
             use_cuda_graphs_for_non_decode_steps=not config.cuda_graphs_decode_only,
+            async_sched_mode="async" if config.async_scheduling else "legacy",
             mamba_inference_state_config=gdn_inference_state_config(model),
         )
         context = DynamicInferenceContext(model.config, inference_config)

@@ -119,6 +119,14 @@ def test_engine_cuda_graphs_come_from_megatrons_flags():
     assert (config.cuda_graphs, config.cuda_graphs_decode_only) == (-1, True)
 
 
+def test_engine_async_scheduling_comes_from_megatrons_flag():
+    from megatron_rl_bi.config.from_args import engine_config_from_args
+
+    assert not engine_config_from_args(parse_rl_args(MODEL)).async_scheduling
+    flag = ["--inference-dynamic-batching-async-sched-mode", "async"]
+    assert engine_config_from_args(parse_rl_args(MODEL + flag)).async_scheduling
+
+
 def test_cuda_graphs_other_than_the_engines_block_graphs_are_refused_naming_each_flag():
     with pytest.raises(ValueError) as error:
         parse_rl_args(MODEL + ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
