@@ -26,11 +26,12 @@ ENGINE = EngineConfig(max_requests=32, max_tokens=4096, max_sequence_length=256,
                       buffer_size_gb=1.0, prompt_logprobs=True)
 
 
-def _bi_model(path, batch_invariant=True):
+def _bi_model(path, batch_invariant=True, transformer_impl="local"):
     from megatron_rl_bi.models.build import build_model
 
     args = parse_rl_args(["--hf-checkpoint", path, "--bf16", "--flash-attention-version", "4",
-                          "--transformer-impl", "local"] + ["--batch-invariant-mode"] * batch_invariant)
+                          "--transformer-impl", transformer_impl]
+                         + ["--batch-invariant-mode"] * batch_invariant)
     bi.enable() if batch_invariant else bi.disable()
     model = build_model(args, args.vocab_size)
     load_hf_weights(model, read_hf_model(path))
@@ -58,15 +59,22 @@ def test_imported_model_engine_matches_trainer(tmp_path, distributed, family):
     assert metrics["bit_wise/ratio_tokens_different"] == 0.0, metrics
 
 
+@pytest.mark.parametrize("transformer_impl", ["local", "transformer_engine"])
 @pytest.mark.parametrize("batch_invariant", [True, False], ids=["bi", "default"])
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_imported_model_logits_match_transformers(tmp_path, distributed, family, batch_invariant):
+def test_imported_model_logits_match_transformers(tmp_path, distributed, family, batch_invariant,
+                                                  transformer_impl):
     """tools/convert_hf.py's verify rule: at most twice as far from transformers' fp32 forward as
     transformers' own bf16 forward (the checkpoints' norm weights are random, not 0 or 1)."""
+    if transformer_impl == "transformer_engine":
+        pytest.importorskip("transformer_engine", reason="the TE route needs TransformerEngine")
     path = str(tmp_path / "hf")
-    save_qwen3(path) if family == "qwen3" else save_qwen35(path)
+    if family == "qwen3":
+        save_qwen3(path)
+    else:
+        save_qwen35(path)
     try:
-        model = _bi_model(path, batch_invariant)
+        model = _bi_model(path, batch_invariant, transformer_impl)
         report = verify(model, path, read_hf_model(path).vocab_size)
     finally:
         bi.disable()
