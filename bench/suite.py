@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--extra-flags", default="",
                         help="added to every model's flags, e.g. '--cuda-graph-impl local "
                              "--inference-cuda-graph-scope block --decode-only-cuda-graphs'")
+    parser.add_argument("--skip-gemm", action="store_true",
+                        help="leave out bench/gemm.py (its table does not depend on --extra-flags)")
     return parser
 
 
@@ -144,9 +146,11 @@ def main() -> None:
             failures.append(f"{name}: exit {code}")
         if profile is not None:
             profiles[name], models[name] = profile, summarize(profile)
-    gemm, code = _run("gemm.py", [], "--output", os.path.join(workdir, "gemm.json"))
-    if code:
-        failures.append(f"gemm: exit {code}")
+    gemm = None
+    if not args.skip_gemm:
+        gemm, code = _run("gemm.py", [], "--output", os.path.join(workdir, "gemm.json"))
+        if code:
+            failures.append(f"gemm: exit {code}")
     report = {**provenance(), "extra_flags": args.extra_flags, "models": models,
               "gemm": gemm and gemm["shapes"], "profiles": profiles, "failures": failures}
     report.update(headline(models))
