@@ -86,6 +86,18 @@ def op_table(profiler, per: int, rows: int) -> dict[str, list[dict]]:
             for name, key in by.items()}
 
 
+def step_time_summary(step_times: list[float]) -> dict:
+    """Where a generation's wall time goes beyond its median step: how many engine steps ran,
+    their spread, and the slowest ones (index, ms). A sum far above count x median means a few
+    steps, not the decode kernels, take the time."""
+    ordered = sorted(step_times)
+    quantile = lambda q: ordered[min(int(q * len(ordered)), len(ordered) - 1)] * 1e3  # noqa: E731
+    slowest = sorted(range(len(step_times)), key=step_times.__getitem__, reverse=True)[:5]
+    return {"count": len(step_times), "p50_ms": quantile(0.5), "p90_ms": quantile(0.9),
+            "max_ms": ordered[-1] * 1e3, "sum_s": sum(step_times),
+            "slowest": [[i, step_times[i] * 1e3] for i in slowest]}
+
+
 def decode_bytes(args, work: Workload, new_tokens: int) -> float:
     """HBM bytes one decode step must read: the weights (less the input embedding, of which a
     step reads a row per request, when untied), the attention KV cache at the mean context, and
@@ -125,6 +137,7 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
         hook.run(work, PROFILED_DECODE_STEPS + 1, decode_profile)
         result = {
             "generate_s": sum(step_times),
+            "engine_steps": step_time_summary(step_times),
             "prefill_ms": step_times[0] * 1e3,
             "decode_step_ms_median": decode_s * 1e3,
             "decode_tokens_per_s": len(work.prompts) / decode_s,

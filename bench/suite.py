@@ -73,6 +73,7 @@ def summarize(profile: dict) -> dict:
         "train_fwd_bwd_s": {"bi": bi["train_fwd_bwd_s"], "default": default["train_fwd_bwd_s"]},
         "rl_update_s": {"bi": bi["rl_update_s"], "default": default["rl_update_s"]},
         "generate_s": {"bi": bi["generate_s"], "default": default["generate_s"]},
+        "engine_steps": {"bi": bi.get("engine_steps"), "default": default.get("engine_steps")},
         "parity_max_bi": bi["parity_max"],
     }
 

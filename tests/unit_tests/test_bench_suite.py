@@ -51,3 +51,11 @@ def test_markdown_table_from_a_report():
     assert suite.markdown_table(report).splitlines()[2] == (
         "| dense16 | 1.50x | 1.00x | 1.00x | 30.0 / 30.0 ms | 2.0% |")
     assert "commit 0123456, extra flags: none." in suite.markdown_table(report)
+
+
+def test_step_time_summary_names_the_slow_steps():
+    profile_steps = _module("bench/profile_steps.py")
+    summary = profile_steps.step_time_summary([0.05, 0.01, 0.01, 2.0, 0.01, 0.02])
+    assert summary["count"] == 6 and summary["sum_s"] == pytest.approx(2.1)
+    assert summary["p50_ms"] == pytest.approx(20.0) and summary["max_ms"] == pytest.approx(2000.0)
+    assert summary["slowest"][:2] == [[3, pytest.approx(2000.0)], [0, pytest.approx(50.0)]]
