@@ -83,7 +83,7 @@ def measure(m: int, k: int, n: int, layout: str, repeats: int) -> dict:
         "ours_over_cublas": times["ours_ms"] / times["cublas_ms"],
         "mcore_over_cublas": times["mcore_persistent_ms"] / times["cublas_ms"],
         "bi_mode_over_cublas": times["bi_mode_ms"] / times["cublas_ms"],
-        "bi_mode_kernel": "tma" if m * n >= gemm.MIN_TMA_OUTPUTS else "megatron-core",
+        "bi_mode_kernel": "tma" if gemm.takes_tma_kernel(m, n) else "megatron-core",
         "bits_equal_mcore": torch.equal(gemm.matmul(a, b), gemm.MCORE_MATMUL(a, b)),
         **(graphed(a, b, kernels, repeats) if m <= 64 else {}),
     }

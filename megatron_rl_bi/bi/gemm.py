@@ -144,12 +144,19 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     return c
 
 
+def takes_tma_kernel(m: int, n: int) -> bool:
+    """Whether `persistent_matmul` runs the TMA kernel for an [m, n] product: large products, and
+    every product inside a CUDA-graph capture."""
+    if m * n >= MIN_TMA_OUTPUTS:
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def persistent_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """megatron-core's `matmul_persistent(a, b, bias)`, which its aten::mm/addmm overrides and its
     TE GEMM patch call: this TMA kernel for large products and inside CUDA graphs, megatron-core's
     for small eager ones (the same bits either way)."""
-    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    if a.shape[0] * b.shape[1] < MIN_TMA_OUTPUTS and not capturing:
-        return MCORE_MATMUL(a, b, bias)
-    return matmul(a, b, bias)
+    if takes_tma_kernel(a.shape[0], b.shape[1]):
+        return matmul(a, b, bias)
+    return MCORE_MATMUL(a, b, bias)
 

@@ -1,5 +1,7 @@
 """Dense GPT: trainer batch invariance and engine-vs-trainer logprob parity on the GPU."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -61,24 +63,21 @@ def test_default_mode_harness_sees_a_mismatch(bi_model, distributed):
     assert result["all_reported"]["bit_wise/logprob_diff/abs_mean"] > 0
 
 
-def test_async_scheduling_keeps_parity(bi_model):
-    """megatron-core's async scheduling changes which steps run which requests, not the bits."""
-    engine = EngineConfig(max_requests=64, max_tokens=8192, max_sequence_length=1024,
-                          buffer_size_gb=2.0, prompt_logprobs=True, async_scheduling=True)
-    prompts, budgets = random_requests(24, (1, 300), (1, 128), VOCAB_SIZE, seed=11)
-    result = run_parity(bi_model, Generator(bi_model, engine), prompts, budgets,
-                        Sampling(temperature=1.0, seed=11), micro_batch_tokens=6000, orders=1)
+def _assert_parity_with(model, engine: EngineConfig, requests: int, temperature: float, seed: int):
+    """Parity 0 over `requests` short requests with an engine configured otherwise than ENGINE."""
+    prompts, budgets = random_requests(requests, (1, 300), (1, 128), VOCAB_SIZE, seed=seed)
+    result = run_parity(model, Generator(model, engine), prompts, budgets,
+                        Sampling(temperature=temperature, seed=seed), micro_batch_tokens=6000, orders=1)
     assert result["completion_only"]["bit_wise/tokens"] >= 128
     assert result["all_reported"]["bit_wise/logprob_diff/max"] == 0.0, result["all_reported"]
+
+
+def test_async_scheduling_keeps_parity(bi_model):
+    """megatron-core's async scheduling changes which steps run which requests, not the bits."""
+    _assert_parity_with(bi_model, dataclasses.replace(ENGINE, async_scheduling=True), 24, 1.0, seed=11)
 
 
 def test_temperature_parity(bi_model):
     """At temperature 0.7 the engine reports processed logprobs and the trainer divides its logits
     the same way: still bitwise equal."""
-    engine = EngineConfig(max_requests=64, max_tokens=8192, max_sequence_length=1024,
-                          buffer_size_gb=2.0, prompt_logprobs=True, processed_logprobs=True)
-    prompts, budgets = random_requests(16, (1, 300), (1, 128), VOCAB_SIZE, seed=9)
-    result = run_parity(bi_model, Generator(bi_model, engine), prompts, budgets,
-                        Sampling(temperature=0.7, seed=9), micro_batch_tokens=6000, orders=1)
-    assert result["completion_only"]["bit_wise/tokens"] >= 128
-    assert result["all_reported"]["bit_wise/logprob_diff/max"] == 0.0, result["all_reported"]
+    _assert_parity_with(bi_model, dataclasses.replace(ENGINE, processed_logprobs=True), 16, 0.7, seed=9)

@@ -26,7 +26,14 @@ ENGINE = EngineConfig(max_requests=32, max_tokens=4096, max_sequence_length=256,
                       buffer_size_gb=1.0, prompt_logprobs=True)
 
 
-def _bi_model(path, batch_invariant=True, transformer_impl="local"):
+def _save(family: str, path: str) -> None:
+    if family == "qwen3":
+        save_qwen3(path)
+    else:
+        save_qwen35(path)
+
+
+def _imported_model(path, batch_invariant=True, transformer_impl="local"):
     from megatron_rl_bi.models.build import build_model
 
     args = parse_rl_args(["--hf-checkpoint", path, "--bf16", "--flash-attention-version", "4",
@@ -41,12 +48,9 @@ def _bi_model(path, batch_invariant=True, transformer_impl="local"):
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_imported_model_engine_matches_trainer(tmp_path, distributed, family):
     path = str(tmp_path / "hf")
-    if family == "qwen3":
-        save_qwen3(path)
-    else:
-        save_qwen35(path)
+    _save(family, path)
     try:
-        model = _bi_model(path)
+        model = _imported_model(path)
         vocab = read_hf_model(path).vocab_size
         prompts, budgets = random_requests(16, (1, 120), (1, 100), vocab, seed=3)
         result = run_parity(model, Generator(model, ENGINE), prompts, budgets,
@@ -69,12 +73,9 @@ def test_imported_model_logits_match_transformers(tmp_path, distributed, family,
     if transformer_impl == "transformer_engine":
         pytest.importorskip("transformer_engine", reason="the TE route needs TransformerEngine")
     path = str(tmp_path / "hf")
-    if family == "qwen3":
-        save_qwen3(path)
-    else:
-        save_qwen35(path)
+    _save(family, path)
     try:
-        model = _bi_model(path, batch_invariant, transformer_impl)
+        model = _imported_model(path, batch_invariant, transformer_impl)
         report = verify(model, path, read_hf_model(path).vocab_size)
     finally:
         bi.disable()
@@ -91,7 +92,7 @@ def test_head_dim_256_gated_attention(tmp_path, distributed):
     Qwen3_5ForCausalLM(config).save_pretrained(path)
     save_tokenizer(path)
     try:
-        model = _bi_model(path)
+        model = _imported_model(path)
         prompts, budgets = random_requests(8, (1, 120), (1, 60), config.vocab_size, seed=4)
         result = run_parity(model, Generator(model, ENGINE), prompts, budgets,
                             Sampling(temperature=1.0, seed=4), micro_batch_tokens=1000, orders=1)
