@@ -1,10 +1,16 @@
+import os
+
 import pytest
 import torch
+
+# BI_GPU_TESTS_TRANSFORMER_IMPL=transformer_engine runs every model of these tests through TE
+# (explicit, so installing TE never changes what a plain run tests).
+TRANSFORMER_IMPL = os.environ.get("BI_GPU_TESTS_TRANSFORMER_IMPL", "local")
 
 COMMON_ARGS = [
     "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16",
     "--seq-length", "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "1",
-    "--flash-attention-version", "4", "--seed", "1234",
+    "--flash-attention-version", "4", "--seed", "1234", "--transformer-impl", TRANSFORMER_IMPL,
 ]
 TINY_DENSE_ARGS = [
     # Large enough (K = 2048) that stock cuBLAS/FlashAttention schedules differ between decode
