@@ -9,7 +9,7 @@
 
 Comparison: the BI runs' loss, reward, gradient-norm and parity metrics exactly (BI runs of these
 recipes repeat bit for bit); time and memory as the median over steps 2..N (step 1, and any step
-meeting a new shape, compiles) within +-15%.
+meeting a new shape, compiles) within +-15%, step time also within 0.15 s (see TOLERANCES).
 
   python tools/golden_values.py regenerate [CASE_DIR ...]   # run on the GPU, write golden files
   python tools/golden_values.py check [CASE_DIR ...]        # run and compare
@@ -32,8 +32,12 @@ GOLDEN = "golden_values_dev_h200.json"
 EXACT = ("loss", "reward/task_mean", "reward/trained_mean", "grad_norm", "bit_wise/tokens",
          "bit_wise/logprob_diff/max", "bit_wise/logprob_diff/abs_mean",
          "bit_wise/ratio_tokens_different")
-APPROXIMATE = ("time/step_s", "memory/peak_allocated_gib")
-RELATIVE_TOLERANCE = 0.15
+# (relative, absolute): a median passes within either. The tiny cases' steps (0.25-0.65 s) are
+# host-bound: on the H200 at fcb3183 the same case's median step time moved 19-42% between two
+# runs minutes apart (0.274 -> 0.388 s, 0.317 -> 0.256, 0.355 -> 0.254), every exact value equal.
+# Hence an absolute floor for time, as Megatron's own iteration-time check has; memory repeats.
+TOLERANCES = {"time/step_s": (0.15, 0.15), "memory/peak_allocated_gib": (0.15, 0.0)}
+APPROXIMATE = tuple(TOLERANCES)
 
 
 @dataclass
@@ -129,8 +133,10 @@ def compare(golden: dict, records: dict[int, dict]) -> list[str]:
         actual = {s: records[int(s)][name] for s in values}
         if name in APPROXIMATE:
             expected, got = _median_after_first(values), _median_after_first(actual)
-            if abs(got - expected) > RELATIVE_TOLERANCE * abs(expected):
-                failures.append(f"{name}: median {got:.4g} vs golden {expected:.4g} (+-15%)")
+            relative, absolute = TOLERANCES[name]
+            if abs(got - expected) > max(relative * abs(expected), absolute):
+                failures.append(f"{name}: median {got:.4g} vs golden {expected:.4g} "
+                                f"(+-{relative:.0%} or {absolute:g})")
         else:
             failures += [f"{name} step {s}: {actual[s]!r} != golden {v!r}"
                          for s, v in values.items() if actual[s] != v]
