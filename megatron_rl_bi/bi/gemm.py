@@ -5,8 +5,8 @@ time on row-major training shapes, ~4x over a whole forward+backward (pointer lo
 transposed operands; bench/gemm.py, results/bench_h200.json). This kernel is persistent too, and
 loads its tiles with TMA (host tensor descriptors, out-of-bounds zero-filled, so no masks). What keeps an output row's
 bits independent of how many rows run with it: no split-K, and K reduced in order in BLOCK_K
-steps into one fp32 accumulator per tile. The M/N tile sizes are picked by M (small tiles for
-decode-sized M); on the H200 the bits were found not to depend on them, and to equal
+steps into one fp32 accumulator per tile. The M/N tile sizes are picked by M and N (small tiles
+for decode-sized M); on the H200 the bits were found not to depend on them, and to equal
 megatron-core's kernel's (same fp32 accumulation of BLOCK_K=64 steps in K order): tests/gpu
 test_bi_gemm checks every config and every layout. So `persistent_matmul`, the entry point the BI
 switch installs in megatron-core's place, may leave small eager products (decode steps without
@@ -41,17 +41,22 @@ class TileConfig:
     num_warps: int
 
 
-# (largest M, config), first match wins; every config reduces K the same way. Decode-sized M
-# takes narrow N tiles: a memory-bound product needs many programs streaming the weight.
+# (largest M, smallest N, config), first match wins; every config reduces K the same way.
+# Decode-sized M takes narrow N tiles: a memory-bound product needs many programs streaming the
+# weight; but for wide N, 64 columns make too many short programs (graphed on the H200,
+# results/bench_h200.json: at N = 12,288 64x128 takes 0.032 ms against 0.045, at N = 151,936
+# 0.169 ms against 0.245; at N <= 3,072 64x64 is the fastest).
 TILE_CONFIGS = (
-    (64, TileConfig(64, 64, 4, 4)),
-    (256, TileConfig(128, 128, 4, 8)),
-    (None, TileConfig(128, 256, 3, 8)),
+    (64, 8192, TileConfig(64, 128, 4, 4)),
+    (64, 0, TileConfig(64, 64, 4, 4)),
+    (256, 0, TileConfig(128, 128, 4, 8)),
+    (None, 0, TileConfig(128, 256, 3, 8)),
 )
 
 
-def tile_config(m: int) -> TileConfig:
-    return next(config for limit, config in TILE_CONFIGS if limit is None or m <= limit)
+def tile_config(m: int, n: int) -> TileConfig:
+    return next(config for max_m, min_n, config in TILE_CONFIGS
+                if (max_m is None or m <= max_m) and n >= min_n)
 
 
 @triton.jit
@@ -116,7 +121,7 @@ def _num_programs(device: torch.device) -> int:
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
            config: TileConfig | None = None) -> torch.Tensor:
     """a [M, K] @ b [K, N] (+ bias [N]) in a's dtype, each row computed the same way for any M.
-    `config` overrides the tile picked by M (the tests run every config)."""
+    `config` overrides the tile picked by M and N (the tests run every config)."""
     if a.dtype != b.dtype or a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"matmul of {tuple(a.shape)} {a.dtype} and {tuple(b.shape)} {b.dtype}")
     (m, k), n = a.shape, b.shape[1]
@@ -128,7 +133,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     a_view, b_view = _tma_view(a), _tma_view(b)
     if a.dtype not in (torch.bfloat16, torch.float16) or a_view is None or b_view is None:
         return MCORE_MATMUL(a, b, bias)
-    config = config or tile_config(m)
+    config = config or tile_config(m, n)
     (a_tma, a_column_major), (b_tma, b_column_major) = a_view, b_view
     a_block = [BLOCK_K, config.block_m] if a_column_major else [config.block_m, BLOCK_K]
     b_block = [config.block_n, BLOCK_K] if b_column_major else [BLOCK_K, config.block_n]
