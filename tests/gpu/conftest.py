@@ -3,14 +3,16 @@ import os
 import pytest
 import torch
 
-# BI_GPU_TESTS_TRANSFORMER_IMPL=transformer_engine runs every model of these tests through TE
-# (explicit, so installing TE never changes what a plain run tests).
+# BI_GPU_TESTS_TRANSFORMER_IMPL=transformer_engine runs every model of these tests through TE,
+# BI_GPU_TESTS_FLASH_ATTENTION_VERSION=3 through FlashAttention-3 (explicit, so installing TE or
+# FA3 never changes what a plain run tests).
 TRANSFORMER_IMPL = os.environ.get("BI_GPU_TESTS_TRANSFORMER_IMPL", "local")
+FLASH_ATTENTION_VERSION = os.environ.get("BI_GPU_TESTS_FLASH_ATTENTION_VERSION", "4")
 
 COMMON_ARGS = [
     "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16",
     "--seq-length", "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "1",
-    "--flash-attention-version", "4", "--seed", "1234", "--transformer-impl", TRANSFORMER_IMPL,
+    "--flash-attention-version", FLASH_ATTENTION_VERSION, "--seed", "1234", "--transformer-impl", TRANSFORMER_IMPL,
 ]
 TINY_DENSE_ARGS = [
     # Large enough (K = 2048) that stock cuBLAS/FlashAttention schedules differ between decode

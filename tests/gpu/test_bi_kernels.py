@@ -5,6 +5,8 @@ import torch
 
 from megatron_rl_bi import bi
 
+from .conftest import FLASH_ATTENTION_VERSION
+
 pytestmark = pytest.mark.gpu
 
 
@@ -72,8 +74,8 @@ def test_flash_attention_packed_equals_alone(bi_on):
     from megatron_rl_bi.attention import FlashCoreAttention
 
     config = TransformerConfig(
-        num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2,
-        flash_attention_version=4, bf16=True, params_dtype=torch.bfloat16, attention_dropout=0.0,
+        num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2, bf16=True,
+        flash_attention_version=int(FLASH_ATTENTION_VERSION), params_dtype=torch.bfloat16, attention_dropout=0.0,
     )
     attention = FlashCoreAttention(config, 1, None, "self")
     torch.manual_seed(0)

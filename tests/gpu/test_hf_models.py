@@ -20,6 +20,8 @@ from megatron_rl_bi.config import parse_rl_args  # noqa: E402
 from megatron_rl_bi.inference import EngineConfig, Generator, Sampling  # noqa: E402
 from megatron_rl_bi.parity.harness import random_requests, run_parity  # noqa: E402
 
+from .conftest import FLASH_ATTENTION_VERSION  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 ENGINE = EngineConfig(max_requests=32, max_tokens=4096, max_sequence_length=256,
@@ -36,7 +38,7 @@ def _save(family: str, path: str) -> None:
 def _imported_model(path, batch_invariant=True, transformer_impl="local"):
     from megatron_rl_bi.models.build import build_model
 
-    args = parse_rl_args(["--hf-checkpoint", path, "--bf16", "--flash-attention-version", "4",
+    args = parse_rl_args(["--hf-checkpoint", path, "--bf16", "--flash-attention-version", FLASH_ATTENTION_VERSION,
                           "--transformer-impl", transformer_impl]
                          + ["--batch-invariant-mode"] * batch_invariant)
     bi.enable() if batch_invariant else bi.disable()
