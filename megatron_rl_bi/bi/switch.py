@@ -2,11 +2,12 @@
 
 Turning it on routes aten mm/addmm/_log_softmax/mean.dim to megatron-core's batch-invariant Triton
 kernels (and, when TransformerEngine is installed, patches TE's GEMM and RMSNorm entry points the
-way megatron-core does), with two of megatron-core's kernels replaced where its overrides and TE
+way megatron-core does), with three of megatron-core's pieces replaced where its overrides and TE
 patches look them up: its GEMM (`matmul_persistent`) by `bi.gemm.persistent_matmul`, its RMSNorm
 (`BatchInvariantRMSNormFn`, whose forward also drops zero-centred gamma) by
-`bi.rmsnorm.BatchInvariantRMSNorm`. Modules of this package ask `enabled()` at forward time;
-nobody threads a flag through call chains.
+`bi.rmsnorm.BatchInvariantRMSNorm`, and its TE GEMM patch (`_te_general_gemm_patched`, which
+copies operands and ignores `accumulate`) by `bi.te_gemm.general_gemm`. Modules of this package
+ask `enabled()` at forward time; nobody threads a flag through call chains.
 
 Departure from upstream: enabling is atomic. megatron-core's own `enable_batch_invariant_mode()`
 can fail half way (see compat.transformer_engine_optional); here a failure rolls everything back
@@ -19,11 +20,13 @@ from collections.abc import Iterator
 from megatron.core.transformer.custom_layers import batch_invariant_kernels as _mcore_bik
 
 from megatron_rl_bi import compat
-from megatron_rl_bi.bi import gemm, rmsnorm
+from megatron_rl_bi.bi import gemm, rmsnorm, te_gemm
 
-# megatron-core's BI kernels that its overrides and TE patches look up at call time, and ours.
+# megatron-core's BI pieces that its overrides look up at call time, or its enabling installs into
+# TE (so ours go in first), and ours.
 _OURS = {"matmul_persistent": gemm.persistent_matmul,
-         "BatchInvariantRMSNormFn": rmsnorm.BatchInvariantRMSNorm}
+         "BatchInvariantRMSNormFn": rmsnorm.BatchInvariantRMSNorm,
+         "_te_general_gemm_patched": te_gemm.general_gemm}
 _UPSTREAM = {name: getattr(_mcore_bik, name) for name in _OURS}
 
 
@@ -39,10 +42,10 @@ def enable() -> None:
     if enabled():
         return
     try:
-        with compat.transformer_engine_optional():
-            _mcore_bik.enable_batch_invariant_mode()
         for name, kernel in _OURS.items():
             setattr(_mcore_bik, name, kernel)
+        with compat.transformer_engine_optional():
+            _mcore_bik.enable_batch_invariant_mode()
     except Exception as exc:
         disable()
         raise BatchInvariantModeError(

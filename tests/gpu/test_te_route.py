@@ -1,12 +1,13 @@
 """The TransformerEngine route (--transformer-impl transformer_engine; runs where TE is
 installed, skipped elsewhere): dense and hybrid models build, megatron-core's BI patches of TE's
-fused norm+linear normalization and of its GEMM are the paths taken, and engine vs trainer
-logprobs are equal."""
+fused norm+linear normalization and the switch's TE GEMM (bi/te_gemm.py, in place of
+megatron-core's) are the paths taken, and engine vs trainer logprobs are equal."""
 
 import pytest
 from megatron.core.transformer.custom_layers import batch_invariant_kernels as _mcore_bik
 
 from megatron_rl_bi import bi
+from megatron_rl_bi.bi import switch
 from megatron_rl_bi.inference import EngineConfig, Generator, Sampling
 from megatron_rl_bi.parity.harness import random_requests, run_parity
 
@@ -19,15 +20,25 @@ ENGINE = EngineConfig(max_requests=32, max_tokens=8192, max_sequence_length=1024
                       prompt_logprobs=True)
 
 
-def _counted(monkeypatch, name: str) -> list:
-    """Counts calls of megatron-core's TE patch `name` (installed into TE when BI is enabled)."""
-    calls, original = [], getattr(_mcore_bik, name)
-
+def _counting(calls: list, name: str, original):
     def counted(*args, **kwargs):
         calls.append(name)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(_mcore_bik, name, counted)
+    return counted
+
+
+def _counted(monkeypatch, name: str) -> list:
+    """Counts calls of megatron-core's TE patch `name` (installed into TE when BI is enabled)."""
+    calls = []
+    monkeypatch.setattr(_mcore_bik, name, _counting(calls, name, getattr(_mcore_bik, name)))
+    return calls
+
+
+def _counted_ours(monkeypatch, name: str) -> list:
+    """Counts calls of the piece the BI switch installs in place of megatron-core's `name`."""
+    calls = []
+    monkeypatch.setitem(switch._OURS, name, _counting(calls, name, switch._OURS[name]))
     return calls
 
 
@@ -35,7 +46,7 @@ def _counted(monkeypatch, name: str) -> list:
 def test_te_route_takes_the_bi_patches_and_keeps_parity(model_args, distributed, monkeypatch):
     bi.disable()  # the patches are installed when the switch turns on, after these spies
     norms = _counted(monkeypatch, "_te_apply_normalization_patched")
-    gemms = _counted(monkeypatch, "_te_general_gemm_patched")
+    gemms = _counted_ours(monkeypatch, "_te_general_gemm_patched")
     try:
         model = build(model_args, batch_invariant=True, extra=["--transformer-impl", "transformer_engine"])
         prompts, budgets = random_requests(16, (1, 300), (1, 64), VOCAB_SIZE, seed=3)
