@@ -231,16 +231,16 @@ class Generator:
         finally:
             InferenceMode.unset_active()
             self.model.train(was_training)
-        return [self._to_generation(record, sampling, budget)
-                for record, budget in zip(records, max_new_tokens)]
+        return [self._to_generation(record, prompt, sampling, budget)
+                for record, prompt, budget in zip(records, prompts, max_new_tokens)]
 
-    def _to_generation(self, request, sampling: Sampling, max_new_tokens: int) -> Generation:
+    def _to_generation(self, request, prompt: list[int], sampling: Sampling, max_new_tokens: int) -> Generation:
         if request.status != Status.COMPLETED:
             raise RuntimeError(f"engine request {request.request_id} ended {request.status}")
         completion = list(request.generated_tokens)
         prompt_logprobs = list(request.prompt_log_probs) if self.config.prompt_logprobs else None
         return Generation(
-            prompt_tokens=request.prompt_tokens.tolist(),
+            prompt_tokens=list(prompt),  # the caller's: reading the engine's GPU copy syncs
             completion_tokens=completion,
             completion_logprobs=list(request.generated_log_probs),
             prompt_logprobs=prompt_logprobs,
