@@ -158,3 +158,38 @@ def fa4_hopper_without_split_kv() -> None:
 
     varlen.without_hopper_split_kv = True
     attention.flash_attn4_varlen_func = varlen
+
+
+def single_bucket_sampling_without_sync() -> None:
+    """megatron-core 0.19.2's torch sampler builds each (temperature, top-k, top-p) bucket's rows
+    with `torch.tensor(list, device=cuda)`, a blocking copy: at every decode step the host waits
+    there for the forward that made the logits, which also undoes async scheduling's overlap of
+    host bookkeeping with the next forward. When every active request is in one bucket (a
+    `Generator.generate` call has one Sampling) the rows are 0..n-1: they are sampled from
+    `logits[:n]` (or the gathered rows) directly, the same values and the same generator draw, so
+    the same tokens, without the wait. Other cases go to megatron-core's. Idempotent. Remove once
+    upstream builds the indices without a sync."""
+    from megatron.core.inference.sampling.torch_sampling import TorchSampling
+
+    upstream = TorchSampling.sample_kernel
+    if hasattr(upstream, "upstream"):
+        return
+
+    def sample_kernel(self, logits, n, context, *, gather_indices=None, token_to_request_index=None,
+                      output=None, **kwargs):
+        active = context.total_request_count - context.paused_request_count
+        metadata = context.active_request_metadata
+        buckets = set(zip(*(metadata[key][:active].tolist() for key in ("temperature", "top_k", "top_p"))))
+        if len(buckets) != 1 or n != active or token_to_request_index is not None:
+            return upstream(self, logits, n, context, gather_indices=gather_indices,
+                            token_to_request_index=token_to_request_index, output=output, **kwargs)
+        (temperature, top_k, top_p), = buckets
+        rows = logits[gather_indices[:n], :] if gather_indices is not None else logits[:n]
+        tokens = TorchSampling.sample_from_logits(rows, temperature, top_k, top_p, generator=self._rng,
+                                                  vocab_size=self._vocab_size)
+        if output is None:
+            return tokens
+        return output.copy_(tokens)
+
+    sample_kernel.upstream = upstream  # megatron-core's, for the GPU test that compares them
+    TorchSampling.sample_kernel = sample_kernel

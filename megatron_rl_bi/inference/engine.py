@@ -161,6 +161,7 @@ class Generator:
         context = DynamicInferenceContext(model.config, inference_config)
         controller = TextGenerationController(GPTInferenceWrapper(model, context), _TokenIdsOnly())
         compat.full_precision_graph_logits(controller)
+        compat.single_bucket_sampling_without_sync()
         was_training = model.training
         model.eval()  # graphs are captured here, of the forward generate() runs
         try:
