@@ -7,12 +7,14 @@ normalizes one row: the row's sum of squares is one `tl.sum` over the whole row,
 is in the batch, so a row's output does not depend on how many rows run with it. The backward
 computes dx per row the same way; the weight gradient sums fixed blocks of `ROWS_PER_PROGRAM`
 rows in order, then the blocks in order (deterministic for a given shape; it is not a parity
-quantity). `1 + weight` (zero-centred gamma) is formed in fp32.
+quantity). `1 + weight` (zero-centred gamma) is formed in fp32. `te_apply_normalization` puts the
+same forward behind TransformerEngine's fused norm+linear modules in BI mode.
 """
 
 import torch
 import triton
 import triton.language as tl
+from megatron.core.transformer.custom_layers import batch_invariant_kernels as _mcore_bik
 
 ROWS_PER_PROGRAM = 64
 
@@ -62,19 +64,26 @@ def _launch_options(d: int) -> dict:
     return {"BLOCK": block, "num_warps": min(max(block // 256, 1), 16)}
 
 
+def normalize(rows_2d: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool,
+              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel on contiguous [rows, D]: (y in `dtype`, default x's; rsigma fp32 [rows])."""
+    rows, d = rows_2d.shape
+    y = torch.empty_like(rows_2d, dtype=dtype or rows_2d.dtype)
+    rsigma = torch.empty(rows, device=rows_2d.device, dtype=torch.float32)
+    if rows:
+        _forward[(rows,)](rows_2d, weight.contiguous(), y, rsigma, d, eps,
+                          ZERO_CENTERED=zero_centered_gamma, **_launch_options(d))
+    return y, rsigma
+
+
 class BatchInvariantRMSNorm(torch.autograd.Function):
     """`apply(x, weight, eps, zero_centered_gamma)`: the contract of megatron-core's
     `BatchInvariantRMSNormFn`, which the BI switch replaces with this."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool):
-        d = x.shape[-1]
-        rows_2d = x.reshape(-1, d).contiguous()
-        y = torch.empty_like(rows_2d)
-        rsigma = torch.empty(rows_2d.shape[0], device=x.device, dtype=torch.float32)
-        if rows_2d.shape[0]:
-            _forward[(rows_2d.shape[0],)](rows_2d, weight.contiguous(), y, rsigma, d, eps,
-                                          ZERO_CENTERED=zero_centered_gamma, **_launch_options(d))
+        rows_2d = x.reshape(-1, x.shape[-1]).contiguous()
+        y, rsigma = normalize(rows_2d, weight, eps, zero_centered_gamma)
         ctx.save_for_backward(rows_2d, weight, rsigma)
         ctx.zero_centered_gamma = zero_centered_gamma
         return y.reshape(x.shape)
@@ -92,3 +101,26 @@ class BatchInvariantRMSNorm(torch.autograd.Function):
                                    ZERO_CENTERED=ctx.zero_centered_gamma,
                                    ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, **_launch_options(d))
         return dx.reshape(dy.shape), dw_partial.sum(0).to(weight.dtype), None, None
+
+
+UPSTREAM_TE_APPLY_NORMALIZATION = _mcore_bik._te_apply_normalization_patched
+
+
+def te_apply_normalization(inputmat, ln_out, ln_weight, ln_bias, eps, output_quantizer, output_dtype,
+                           normalization, fwd_ln_sm_margin, zero_centered_gamma):
+    """TE's `apply_normalization` (the norm inside LayerNormLinear / LayerNormMLP) in BI mode,
+    installed by the switch in place of megatron-core 0.19.2's patch, which computes RMSNorm in
+    ~8 fp32 torch passes plus its row-mean kernel: the forward kernel above, returning TE's
+    (ln_out, mu=None, rsigma) for TE's own backward. LayerNorm, a bias, FP8 output and BI mode
+    off go to megatron-core's patch (which hands them to TE)."""
+    if (not _mcore_bik.is_batch_invariant_mode_enabled() or normalization != "RMSNorm"
+            or output_quantizer is not None or ln_bias is not None):
+        return UPSTREAM_TE_APPLY_NORMALIZATION(inputmat, ln_out, ln_weight, ln_bias, eps, output_quantizer,
+                                               output_dtype, normalization, fwd_ln_sm_margin,
+                                               zero_centered_gamma)
+    rows_2d = inputmat.reshape(-1, inputmat.shape[-1]).contiguous()
+    y, rsigma = normalize(rows_2d, ln_weight, eps, zero_centered_gamma, dtype=output_dtype)
+    if ln_out is None:
+        return y.reshape(inputmat.shape), None, rsigma
+    ln_out.copy_(y.reshape(ln_out.shape))
+    return ln_out, None, rsigma

@@ -2,11 +2,12 @@
 
 Turning it on routes aten mm/addmm/_log_softmax/mean.dim to megatron-core's batch-invariant Triton
 kernels (and, when TransformerEngine is installed, patches TE's GEMM and RMSNorm entry points the
-way megatron-core does), with three of megatron-core's pieces replaced where its overrides and TE
+way megatron-core does), with four of megatron-core's pieces replaced where its overrides and TE
 patches look them up: its GEMM (`matmul_persistent`) by `bi.gemm.persistent_matmul`, its RMSNorm
 (`BatchInvariantRMSNormFn`, whose forward also drops zero-centred gamma) by
-`bi.rmsnorm.BatchInvariantRMSNorm`, and its TE GEMM patch (`_te_general_gemm_patched`, which
-copies operands and ignores `accumulate`) by `bi.te_gemm.general_gemm`. Modules of this package
+`bi.rmsnorm.BatchInvariantRMSNorm`, its TE GEMM patch (`_te_general_gemm_patched`, which copies
+operands and ignores `accumulate`) by `bi.te_gemm.general_gemm`, and its TE fused-norm patch
+(`_te_apply_normalization_patched`, ~8 fp32 passes) by `bi.rmsnorm.te_apply_normalization`. Modules of this package
 ask `enabled()` at forward time; nobody threads a flag through call chains.
 
 Departure from upstream: enabling is atomic. megatron-core's own `enable_batch_invariant_mode()`
@@ -26,7 +27,8 @@ from megatron_rl_bi.bi import gemm, rmsnorm, te_gemm
 # TE (so ours go in first), and ours.
 _OURS = {"matmul_persistent": gemm.persistent_matmul,
          "BatchInvariantRMSNormFn": rmsnorm.BatchInvariantRMSNorm,
-         "_te_general_gemm_patched": te_gemm.general_gemm}
+         "_te_general_gemm_patched": te_gemm.general_gemm,
+         "_te_apply_normalization_patched": rmsnorm.te_apply_normalization}
 _UPSTREAM = {name: getattr(_mcore_bik, name) for name in _OURS}
 
 

@@ -1,10 +1,9 @@
 """The TransformerEngine route (--transformer-impl transformer_engine; runs where TE is
 installed, skipped elsewhere): dense and hybrid models build, megatron-core's BI patches of TE's
-fused norm+linear normalization and the switch's TE GEMM (bi/te_gemm.py, in place of
-megatron-core's) are the paths taken, and engine vs trainer logprobs are equal."""
+fused norm+linear normalization and GEMM, as the switch replaces them (bi/rmsnorm.py,
+bi/te_gemm.py), are the paths taken, and engine vs trainer logprobs are equal."""
 
 import pytest
-from megatron.core.transformer.custom_layers import batch_invariant_kernels as _mcore_bik
 
 from megatron_rl_bi import bi
 from megatron_rl_bi.bi import switch
@@ -20,32 +19,22 @@ ENGINE = EngineConfig(max_requests=32, max_tokens=8192, max_sequence_length=1024
                       prompt_logprobs=True)
 
 
-def _counting(calls: list, name: str, original):
-    def counted(*args, **kwargs):
-        calls.append(name)
-        return original(*args, **kwargs)
-
-    return counted
-
-
-def _counted(monkeypatch, name: str) -> list:
-    """Counts calls of megatron-core's TE patch `name` (installed into TE when BI is enabled)."""
-    calls = []
-    monkeypatch.setattr(_mcore_bik, name, _counting(calls, name, getattr(_mcore_bik, name)))
-    return calls
-
-
 def _counted_ours(monkeypatch, name: str) -> list:
     """Counts calls of the piece the BI switch installs in place of megatron-core's `name`."""
-    calls = []
-    monkeypatch.setitem(switch._OURS, name, _counting(calls, name, switch._OURS[name]))
+    calls, ours = [], switch._OURS[name]
+
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return ours(*args, **kwargs)
+
+    monkeypatch.setitem(switch._OURS, name, counted)
     return calls
 
 
 @pytest.mark.parametrize("model_args", [TINY_DENSE_ARGS, TINY_HYBRID_ARGS], ids=["dense", "hybrid"])
 def test_te_route_takes_the_bi_patches_and_keeps_parity(model_args, distributed, monkeypatch):
     bi.disable()  # the patches are installed when the switch turns on, after these spies
-    norms = _counted(monkeypatch, "_te_apply_normalization_patched")
+    norms = _counted_ours(monkeypatch, "_te_apply_normalization_patched")
     gemms = _counted_ours(monkeypatch, "_te_general_gemm_patched")
     try:
         model = build(model_args, batch_invariant=True, extra=["--transformer-impl", "transformer_engine"])
@@ -54,6 +43,6 @@ def test_te_route_takes_the_bi_patches_and_keeps_parity(model_args, distributed,
                             micro_batch_tokens=6000, orders=1)
     finally:
         bi.disable()
-    assert norms and gemms, "megatron-core's TE patches were not called"
+    assert norms and gemms, "the switch's TE norm and GEMM were not called"
     assert result["completion_only"]["bit_wise/tokens"] >= 64
     assert result["all_reported"]["bit_wise/logprob_diff/max"] == 0.0, result["all_reported"]

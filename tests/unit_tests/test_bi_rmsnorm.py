@@ -48,3 +48,41 @@ def test_leading_dimensions_and_empty_input():
     assert out.shape == (2, 3, 16)
     assert torch.equal(out.reshape(6, 16), BatchInvariantRMSNorm.apply(x.reshape(6, 16), weight, EPS, False))
     assert BatchInvariantRMSNorm.apply(torch.empty(0, 16), weight, EPS, False).shape == (0, 16)
+
+
+@pytest.fixture
+def upstream_te_norm(monkeypatch):
+    from megatron_rl_bi.bi import rmsnorm
+
+    calls = []
+    monkeypatch.setattr(rmsnorm, "UPSTREAM_TE_APPLY_NORMALIZATION", lambda *args: calls.append(args[7]) or "upstream")
+    monkeypatch.setattr(rmsnorm._mcore_bik, "is_batch_invariant_mode_enabled", lambda: True)
+    return calls
+
+
+@pytest.mark.parametrize("preallocated", [False, True])
+def test_te_fused_norm_returns_te_outputs_from_this_kernel(upstream_te_norm, preallocated):
+    """TE's (ln_out, mu, rsigma): ln_out in the requested dtype, rsigma fp32 per row."""
+    from megatron_rl_bi.bi.rmsnorm import te_apply_normalization
+
+    torch.manual_seed(0)
+    x, weight = torch.randn(5, 24), torch.rand(24)
+    ln_out = torch.empty(5, 24, dtype=torch.float64) if preallocated else None
+    out, mu, rsigma = te_apply_normalization(x, ln_out, weight, None, EPS, None, torch.float64, "RMSNorm", 0, True)
+    assert mu is None and upstream_te_norm == [] and out.dtype == torch.float64
+    assert out is ln_out if preallocated else out.shape == x.shape
+    torch.testing.assert_close(out, _reference(x, weight, True), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rsigma, torch.rsqrt(x.pow(2).mean(-1) + EPS), rtol=1e-6, atol=0)
+    assert torch.equal(out.float(), BatchInvariantRMSNorm.apply(x, weight, EPS, True))
+
+
+@pytest.mark.parametrize("normalization, bias, quantizer", [("LayerNorm", None, None), ("RMSNorm", 0, None),
+                                                            ("RMSNorm", None, "fp8")])
+def test_te_fused_norm_leaves_other_cases_to_megatron_core(upstream_te_norm, normalization, bias, quantizer):
+    from megatron_rl_bi.bi.rmsnorm import te_apply_normalization
+
+    x = torch.randn(2, 8)
+    bias = None if bias is None else torch.zeros(8)
+    assert te_apply_normalization(x, None, torch.ones(8), bias, EPS, quantizer, torch.float32, normalization, 0,
+                                  False) == "upstream"
+    assert upstream_te_norm == [normalization]

@@ -62,7 +62,8 @@ def test_safe_reward_zeroes_nonfinite_rewards(value):
 def _inputs(logprobs, old, adv, weights=None, **kw):
     logprobs = torch.tensor(logprobs, dtype=torch.float64, requires_grad=True)
     n = logprobs.numel()
-    weights = torch.full((n,), 1.0 / n, dtype=torch.float64) if weights is None else torch.tensor(weights, dtype=torch.float64)
+    weights = (torch.full((n,), 1.0 / n, dtype=torch.float64) if weights is None
+               else torch.tensor(weights, dtype=torch.float64))
     t = lambda v: None if v is None else torch.tensor(v, dtype=torch.float64)  # noqa: E731
     return LossInputs(
         logprobs=logprobs, old_logprobs=t(old), advantages=t(adv), token_weights=weights,

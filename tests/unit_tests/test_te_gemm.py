@@ -2,7 +2,7 @@
 layouts gives the product from views of its operands (no transposed copies), `accumulate` adds
 into `out`, bias and bias gradient as megatron-core's patch has them, unsupported features
 refused by name. The GEMM itself runs in the Triton interpreter (fp16; values within fp16
-rounding of an fp32 product, not a bitwise claim: the bits are tests/gpu/test_te_gemm.py's)."""
+rounding of an fp32 product, not a bitwise claim: the bits are tests/gpu/test_te_kernels.py's)."""
 
 import pytest
 import torch
