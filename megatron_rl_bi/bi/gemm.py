@@ -13,7 +13,7 @@ switch installs in megatron-core's place, may leave small eager products (decode
 CUDA graphs, where the launch cost of three TMA descriptors outweighs the kernel) to
 megatron-core's kernel without changing a row's bits; under graph capture launch cost is paid
 once, so the TMA kernel runs at every size. fp32 inputs, and tensors TMA cannot describe (a 16-byte-misaligned base
-or stride), go to megatron-core's kernel too.
+or stride, the output's included: N not a multiple of 8 in bf16), go to megatron-core's kernel too.
 """
 
 from dataclasses import dataclass
@@ -131,7 +131,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     if k == 0:
         return c.zero_() if bias is None else c.copy_(bias.expand(m, n))
     a_view, b_view = _tma_view(a), _tma_view(b)
-    if a.dtype not in (torch.bfloat16, torch.float16) or a_view is None or b_view is None:
+    c_aligned = n * c.element_size() % _TMA_ALIGNMENT_BYTES == 0
+    if a.dtype not in (torch.bfloat16, torch.float16) or a_view is None or b_view is None or not c_aligned:
         return MCORE_MATMUL(a, b, bias)
     config = config or tile_config(m, n)
     (a_tma, a_column_major), (b_tma, b_column_major) = a_view, b_view

@@ -9,7 +9,10 @@ batches (packed to any length) sent those products to megatron-core's slow kerne
 update measured 1.68x default on the H200, the local path 1.08x). It also ignores `accumulate`:
 under gradient-accumulation fusion TE asks to add the weight gradient into `main_grad`, and it
 overwrote it. This one hands `persistent_matmul` transposed views, the layouts the local path
-gives it, and adds when asked. Bias is added after rounding, as megatron-core does.
+gives it, and adds when asked. Bias is added after rounding, as megatron-core does. Like TE's own
+GEMM (and unlike megatron-core's, an autograd Function) it records no autograd graph: TE calls it
+inside its own autograd Functions, and a delayed weight gradient run with grad enabled must not
+hang a graph on `main_grad`.
 """
 
 import torch
@@ -47,7 +50,8 @@ def general_gemm(A, B, out_dtype=None, quantization_params=None, gelu=False, gel
                            bulk_overlap)
     if feature is not None:
         raise NotImplementedError(f"batch-invariant mode: TransformerEngine GEMM with {feature} is not supported")
-    result, bias_grad = _product(A, B, out_dtype, layout, bias, grad)
+    with torch.no_grad():
+        result, bias_grad = _product(A, B, out_dtype, layout, bias, grad)
     if out is None:
         return result, bias_grad, None, None
     if accumulate:
@@ -59,14 +63,15 @@ def general_gemm(A, B, out_dtype=None, quantization_params=None, gelu=False, gel
 
 def _product(A, B, out_dtype, layout, bias, grad):
     transa, transb = layout[0] == "T", layout[1] == "T"
-    tracked = torch.is_grad_enabled() and (A.requires_grad or B.requires_grad)
-    if (tracked or A.dtype != B.dtype or A.dtype not in (torch.bfloat16, torch.float16) or A.dim() != 2
-            or (transb and B.dim() != 2)):
-        # Outside TE's autograd Functions, or operands TE's modules do not pass: megatron-core's.
+    if A.dtype != B.dtype or A.dtype not in (torch.bfloat16, torch.float16) or (transa and A.dim() != 2):
+        # fp32 operands, or a transposed operand that is not a matrix: megatron-core's.
         result, bias_grad, *_ = UPSTREAM(A, B, out_dtype=out_dtype, layout=layout, bias=bias, grad=grad)
         return result, bias_grad
-    weight = A.t() if transa else A
-    rows = B.t() if transb else B.reshape(-1, B.shape[-1])
+    # TE's Linear keeps its [s, b, h] input for the weight gradient (layout NT): flattened, as TE
+    # does; the flattening is a view.
+    weight = A.t() if transa else A.reshape(-1, A.shape[-1])
+    rows = B.reshape(-1, B.shape[-1])
+    rows = rows.t() if transb else rows
     result = gemm.persistent_matmul(rows, weight)
     if not transb:
         result = result.reshape(*B.shape[:-1], result.shape[-1])

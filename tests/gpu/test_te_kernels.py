@@ -24,15 +24,16 @@ def bi_on():
 
 
 @pytest.mark.parametrize("tokens", [4096, 4093])  # 4093: megatron-core's dy.T copy is misaligned
-@pytest.mark.parametrize("layout", ["TN", "NN", "NT"])
+@pytest.mark.parametrize("layout", ["TN", "NN", "NT", "NT, [s, b, h] input"])
 def test_same_bits_as_megatron_cores_te_gemm(bi_on, layout, tokens):
     torch.manual_seed(0)
     weight = torch.randn(OUT, IN, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(tokens, IN, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(tokens, OUT, device="cuda", dtype=torch.bfloat16)
-    a, b = {"TN": (weight, x), "NN": (weight, dy), "NT": (x, dy)}[layout]
-    ours, *_ = te_gemm.general_gemm(a, b, layout=layout, out_dtype=torch.bfloat16)
-    upstream = _mcore_bik.BatchInvariantTEGemmFn.apply(a, b, None, torch.bfloat16, layout)
+    a, b = {"TN": (weight, x), "NN": (weight, dy), "NT": (x, dy),
+            "NT, [s, b, h] input": (x.view(tokens, 1, IN), dy)}[layout]
+    ours, *_ = te_gemm.general_gemm(a, b, layout=layout[:2], out_dtype=torch.bfloat16)
+    upstream = _mcore_bik.BatchInvariantTEGemmFn.apply(a, b, None, torch.bfloat16, layout[:2])
     assert torch.equal(ours, upstream)
 
 

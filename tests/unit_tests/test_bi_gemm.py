@@ -70,7 +70,9 @@ def test_what_tma_cannot_describe_goes_to_megatron_core(monkeypatch):
     a, b = _operands(8, 60, 128)  # a's row stride: 120 bytes, not a multiple of 16
     gemm.matmul(a, b)
     gemm.matmul(a.float(), b.float()[:60])  # fp32
-    assert calls == [(8, 60), (8, 60)]
+    a, b = _operands(128, 64, 60)
+    gemm.matmul(a, _column_major(b))  # the output's row stride: 120 bytes (an MoE router's 60 experts)
+    assert calls == [(8, 60), (8, 60), (128, 64)]
 
 
 def test_mismatched_operands_are_refused():

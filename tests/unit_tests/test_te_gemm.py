@@ -93,9 +93,26 @@ def test_unsupported_features_are_refused_by_name(feature, kwargs):
         te_gemm.general_gemm(WEIGHT, X, **kwargs)
 
 
-def test_tracked_operands_go_to_megatron_cores_autograd_version(monkeypatch):
+def test_the_weight_gradient_of_an_unflattened_input(kernel_operands):
+    """TE's Linear keeps its [s, b, h] input for the weight gradient: flattened as a view."""
+    x = X.reshape(4, 10, IN)
+    out, *_ = te_gemm.general_gemm(x, DY, layout="NT")
+    _close(out, DY.float().T @ X.float())
+    (rows, weight), = kernel_operands
+    assert weight.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
+def test_no_autograd_graph_even_for_operands_that_require_grad(monkeypatch):
+    """As TE's own GEMM: a delayed weight gradient run with grad on must not hang a graph on main_grad."""
+    monkeypatch.setattr(gemm, "persistent_matmul", lambda a, b, bias=None: a.float() @ b.float())  # records autograd
+    main_grad = torch.zeros(OUT, IN)
+    x = X.clone().requires_grad_()
+    te_gemm.general_gemm(x, DY, layout="NT", out=main_grad, out_dtype=torch.float32, accumulate=True, grad=True)
+    assert main_grad.grad_fn is None and not main_grad.requires_grad
+
+
+def test_fp32_operands_go_to_megatron_cores_version(monkeypatch):
     calls = []
     monkeypatch.setattr(te_gemm, "UPSTREAM", lambda *args, **kwargs: calls.append(kwargs) or ("y", None, None, None))
-    weight = WEIGHT.float().requires_grad_()
-    assert te_gemm.general_gemm(weight, X.float(), layout="TN")[0] == "y"
+    assert te_gemm.general_gemm(WEIGHT.float(), X.float(), layout="TN")[0] == "y"
     assert calls == [{"out_dtype": None, "layout": "TN", "bias": None, "grad": False}]
