@@ -15,7 +15,7 @@ import torch
 from megatron_rl_bi import bi
 from megatron_rl_bi.checkpoints.hf import HFModel, load_hf_weights, read_hf_model
 from megatron_rl_bi.checkpoints.megatron import load_pretrained_weights
-from megatron_rl_bi.config import parse_rl_args
+from megatron_rl_bi.config import parse_rl_args, validate_installed_kernels
 from megatron_rl_bi.config.from_args import (
     engine_config_from_args,
     loop_config_from_args,
@@ -76,6 +76,7 @@ def build_policy(args: argparse.Namespace, tokenizer, hf_model: HFModel | None) 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_rl_args(argv)
+    validate_installed_kernels(args)
     tokenizer = build_tokenizer(args.rl_tokenizer, chat_template=not args.rl_no_chat_template)
     engine_config = engine_config_from_args(args, temperature=args.rl_default_temperature)
     task = build_task(args.rl_task, args.seed, args.rl_dataset)

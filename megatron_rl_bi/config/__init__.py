@@ -6,7 +6,13 @@ the mapping of parsed flags to each component's config dataclass (`from_args`).
 """
 
 from megatron_rl_bi.config.hf_args import add_hf_args
-from megatron_rl_bi.config.megatron_args import build_parser, parse_args, validate_batch_invariance
+from megatron_rl_bi.config.megatron_args import (
+    build_parser,
+    parse_args,
+    validate_batch_invariance,
+    validate_installed_kernels,
+)
 from megatron_rl_bi.config.rl_args import add_rl_args, parse_rl_args
 
-__all__ = ["add_hf_args", "add_rl_args", "build_parser", "parse_args", "parse_rl_args", "validate_batch_invariance"]
+__all__ = ["add_hf_args", "add_rl_args", "build_parser", "parse_args", "parse_rl_args", "validate_batch_invariance",
+           "validate_installed_kernels"]

@@ -42,14 +42,31 @@ def add_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _flash_attention_error(version: int) -> str | None:
+def _flash_attention_error(version: int | None, batch_invariant: bool) -> str | None:
+    """Why `--flash-attention-version version` cannot run (None: it can): training attention
+    (FlashCoreAttention) runs 3 or 4, the generation the engine runs too."""
     from megatron_rl_bi.attention import flash_varlen_function
 
+    if version is None:
+        return f"{'--batch-invariant-mode needs ' if batch_invariant else ''}--flash-attention-version 3 or 4"
+    if version == 2 and batch_invariant:
+        return ("--flash-attention-version 2 cannot be used with --batch-invariant-mode: FA2 has no "
+                "fixed num_splits schedule; use 3 or 4")
     try:
         flash_varlen_function(version)
-    except ImportError as exc:
+    except (ImportError, ValueError) as exc:
         return str(exc)
     return None
+
+
+def validate_installed_kernels(args: argparse.Namespace) -> None:
+    """The checks that need installed packages, in every mode (parse_args makes them only in BI
+    mode, so that CPU machines can parse a run's flags): one ValueError, before any GPU work."""
+    errors = [problem] if (problem := _flash_attention_error(args.flash_attention_version, False)) else []
+    if args.transformer_impl == "transformer_engine" and not compat.transformer_engine_installed():
+        errors.append("--transformer-impl transformer_engine: TransformerEngine is not installed (use local)")
+    if errors:
+        raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))
 
 
 def validate_batch_invariance(args: argparse.Namespace, batch_invariant: bool | None = None) -> None:
@@ -65,28 +82,20 @@ def validate_batch_invariance(args: argparse.Namespace, batch_invariant: bool | 
         errors.append(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: only PP=1")
     if args.apply_rope_fusion:
         errors.append("rope fusion must be off (--no-rope-fusion): the engine applies rope unfused")
+    if args.attention_dropout > 0:  # FlashCoreAttention, in every mode
+        errors.append(f"--attention-dropout {args.attention_dropout}: training attention runs "
+                      "without dropout; use 0")
     if args.batch_invariant_mode if batch_invariant is None else batch_invariant:
-        version = args.flash_attention_version
-        if version is None:
-            errors.append("--batch-invariant-mode needs --flash-attention-version 3 or 4")
-        elif version == 2:
-            errors.append(
-                "--flash-attention-version 2 cannot be used with --batch-invariant-mode: FA2 has "
-                "no fixed num_splits schedule; use 3 or 4"
-            )
-        elif problem := _flash_attention_error(version):
+        if problem := _flash_attention_error(args.flash_attention_version, True):
             errors.append(problem)
         if args.context_parallel_size != 1:
             errors.append(
                 f"--context-parallel-size {args.context_parallel_size} with --batch-invariant-mode: "
                 "context parallelism runs TE's own attention kernels; use 1"
             )
-        for flag in ("attention_dropout", "hidden_dropout"):
-            if getattr(args, flag) > 0:
-                errors.append(
-                    f"--{flag.replace('_', '-')} {getattr(args, flag)} with --batch-invariant-mode: "
-                    "dropout masks are not batch-invariant; use 0"
-                )
+        if args.hidden_dropout > 0:
+            errors.append(f"--hidden-dropout {args.hidden_dropout} with --batch-invariant-mode: "
+                          "dropout masks are not batch-invariant; use 0")
         if args.attention_backend != AttnBackend.flash:
             errors.append(
                 f"--attention-backend {args.attention_backend.name} with --batch-invariant-mode: "

@@ -54,7 +54,8 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "(clip-higher 0.28, token mean, dynamic sampling)")
     group.add_argument("--rl-loss-aggregation", choices=["token", "sequence"], default="sequence",
                        help="average the loss over tokens (DAPO) or per completion (GRPO)")
-    group.add_argument("--rl-task", default="sort", help="sort, countdown or jsonl")
+    group.add_argument("--rl-task", choices=["sort", "countdown", "jsonl"], default="sort",
+                       help="sort, countdown or jsonl (prompts of --rl-dataset)")
     group.add_argument("--rl-dataset", default=None, help="JSONL file for --rl-task jsonl")
     group.add_argument("--rl-reward-fn", default=None, metavar="MODULE:FUNCTION",
                        help="score completions with this callable (prompt, completion, example) "
@@ -100,30 +101,50 @@ def _scan(argv: list[str], flag: str) -> str | None:
     return None
 
 
+def _recipe_value(action: argparse.Action, value):
+    """`value` as the command line would have made it: strings through the flag's type, numbers
+    checked against it (12.5 is not an int), every item against its choices."""
+    if isinstance(value, list) and action.nargs not in (None, 0, "?"):
+        return [_recipe_value(argparse.Action(action.option_strings, action.dest, type=action.type,
+                                              choices=action.choices), v) for v in value]
+    if isinstance(value, str) and action.type is not None:
+        value = action.type(value)
+    elif action.type is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{value!r} is not an integer")
+    elif action.type is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{value!r} is not a number")
+        value = float(value)
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"{value!r} is not one of {list(action.choices)}")
+    return value
+
+
 def load_recipe(path: str, parser: argparse.ArgumentParser) -> dict:
     """Recipe keys are flag names (`disable-bias-linear: true`, as on the command line) or
-    argument destinations (`add_bias_linear: false`)."""
+    argument destinations (`add_bias_linear: false`). Values are checked as the command line's
+    are (type, choices); a switch set to false undoes a default or preset that set it."""
     with open(path) as f:
         recipe = yaml.safe_load(f) or {}
     if not isinstance(recipe, dict):
         raise ValueError(f"{path}: a recipe is a mapping of flag names to values")
     by_flag = {opt: a for a in parser._actions for opt in a.option_strings}
-    dests = {a.dest for a in parser._actions}
+    by_dest = {a.dest: a for a in parser._actions}
     values = {}
     for key, value in recipe.items():
-        action = by_flag.get("--" + str(key).lstrip("-"))
-        if action is not None and isinstance(action.const, bool) and action.nargs == 0:
+        action = by_flag.get("--" + str(key).lstrip("-")) or by_dest.get(str(key).replace("-", "_"))
+        if action is None:
+            raise ValueError(f"{path}: unknown flag '{key}' in recipe")
+        if isinstance(action.const, bool) and action.nargs == 0 and key not in by_dest:
             # store_true / store_false flags: `flag: true` means the flag was given.
             if not isinstance(value, bool):
                 raise ValueError(f"{path}: '{key}' is a switch; give true or false")
-            if value:
-                values[action.dest] = action.const
-        elif action is not None:
-            values[action.dest] = value
-        elif str(key).replace("-", "_") in dests:
-            values[str(key).replace("-", "_")] = value
-        else:
-            raise ValueError(f"{path}: unknown flag '{key}' in recipe")
+            values[action.dest] = action.const if value else not action.const
+            continue
+        try:
+            values[action.dest] = value if value is None else _recipe_value(action, value)
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+            raise ValueError(f"{path}: '{key}': {exc}") from exc
     return values
 
 
@@ -153,14 +174,13 @@ def unused_flag_errors(argv: list[str], recipe: dict) -> list[str]:
 def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else argv
     recipe_path = _scan(argv, "--recipe")
-    model_flags, flag_names, recipe_values = {}, {}, {}
+    model_flags, flag_names = {}, {}
 
     def provider(parser):
         add_hf_args(add_rl_args(parser))
         flag_names.update({a.dest: a.option_strings[0] for a in parser._actions if a.option_strings})
         parser.set_defaults(**RL_DEFAULTS)
         recipe = load_recipe(recipe_path, parser) if recipe_path else {}
-        recipe_values.update(recipe)
         hf_checkpoint = _scan(argv, "--hf-checkpoint") or recipe.get("hf_checkpoint")
         if hf_checkpoint:
             model_flags.update(megatron_flags(read_hf_model(hf_checkpoint)))
@@ -171,11 +191,12 @@ def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise ValueError(f"--rl-loss {loss}: expected one of {sorted(LOSS_PRESETS)}")
         parser.set_defaults(**LOSS_PRESETS[loss])
         parser.set_defaults(**recipe)
+        if unused := unused_flag_errors(argv, recipe):  # before Megatron's checks trip on them
+            raise ValueError("invalid arguments:\n  " + "\n  ".join(unused))
         return parser
 
     args = parse_args(argv, extra_args_provider=provider)
-    validate_rl_args(args, checkpoint_flag_errors(args, model_flags, flag_names)
-                     + unused_flag_errors(argv, recipe_values))
+    validate_rl_args(args, checkpoint_flag_errors(args, model_flags, flag_names))
     return args
 
 
@@ -183,9 +204,19 @@ def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
     """One ValueError listing every bad RL flag (and `errors` found elsewhere)."""
     errors = list(errors)
     for flag in ("grpo_group_size", "grpo_prompts_per_step", "grpo_iterations",
-                 "rl_max_new_tokens", "rl_micro_batch_tokens", "train_iters"):
+                 "rl_max_new_tokens", "rl_micro_batch_tokens", "train_iters", "rl_sft_batch_size",
+                 "rl_dynamic_sampling_max_rounds"):
         if getattr(args, flag) is None or getattr(args, flag) < 1:
             errors.append(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.rl_sft_warmup_steps < 0:
+        errors.append("--rl-sft-warmup-steps must be >= 0")
+    if args.rl_dataset and args.rl_task != "jsonl":
+        errors.append(f"--rl-dataset is read by --rl-task jsonl only (the task is {args.rl_task})")
+    early_exit = [flag for flag, value in (("--exit-interval", args.exit_interval),
+                                           ("--exit-duration-in-mins", args.exit_duration_in_mins),
+                                           ("--exit-signal-handler", args.exit_signal_handler)) if value]
+    if early_exit and not args.save:
+        errors.append(f"{', '.join(early_exit)} stop the run with a checkpoint: give --save DIR")
     if args.grpo_group_size < 2:
         errors.append("--grpo-group-size must be >= 2: advantages compare completions of a prompt")
     if args.rl_inference_logprobs_is_correction and not args.rl_importance_sampling_truncation_coef:

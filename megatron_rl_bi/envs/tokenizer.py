@@ -5,6 +5,8 @@ prompt as the model expects it: through the chat template where there is one), `
 text`, `eod`, `vocab_size`.
 """
 
+import os
+
 _SPECIALS = ("<pad>", "<bos>", "<eos>")
 _CHARS = [chr(code) for code in range(32, 127)] + ["\n"]
 
@@ -81,5 +83,7 @@ def build_tokenizer(spec: str, chat_template: bool = True):
     if spec == "char":
         return CharTokenizer()
     if spec.startswith("hf:"):
+        if not os.path.isdir(spec[3:]):  # else transformers reads it as a Hub repo id
+            raise ValueError(f"--rl-tokenizer {spec}: no such directory (a local tokenizer directory)")
         return HFTokenizer(spec[3:], chat_template)
     raise ValueError(f"--rl-tokenizer {spec}: expected 'char' or 'hf:PATH'")

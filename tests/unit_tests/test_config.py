@@ -57,8 +57,30 @@ def test_dropout_with_bi_names_each_flag():
         "--batch-invariant-mode", "--flash-attention-version", "4",
         "--attention-dropout", "0.1", "--hidden-dropout", "0.05",
     )
-    assert "--attention-dropout 0.1 with --batch-invariant-mode" in message
+    assert "--attention-dropout 0.1: training attention runs without dropout" in message
     assert "--hidden-dropout 0.05 with --batch-invariant-mode" in message
+
+
+def test_attention_dropout_is_refused_in_default_mode_too():
+    assert "--attention-dropout 0.1: training attention" in errors_for("--attention-dropout", "0.1")
+
+
+def test_installed_kernels_are_checked_in_default_mode(monkeypatch):
+    """Training attention needs FA 3 or 4 in every mode; checked before GPU work (not at parse
+    time, so machines without FlashAttention can parse a run's flags)."""
+    from megatron_rl_bi import compat
+    from megatron_rl_bi.config.megatron_args import validate_installed_kernels
+
+    monkeypatch.setattr(compat, "transformer_engine_installed", lambda: False)
+    args = parse_args(MODEL + ["--transformer-impl", "local"])
+    args.transformer_impl = "transformer_engine"
+    with pytest.raises(ValueError) as info:
+        validate_installed_kernels(args)
+    assert "--flash-attention-version 3 or 4" in str(info.value)
+    assert "--transformer-impl transformer_engine: TransformerEngine is not installed" in str(info.value)
+    args.flash_attention_version = 4  # not installed on this machine
+    with pytest.raises(ValueError, match="--flash-attention-version 4 needs FlashAttention-4"):
+        validate_installed_kernels(args)
 
 
 def test_layernorm_with_bi():

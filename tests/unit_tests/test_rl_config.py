@@ -151,3 +151,59 @@ def test_megatron_flags_the_rl_job_does_not_use_are_named(tmp_path):
                      "--data-path: not used", "--eval-iters: not used"):
         assert expected in message
     assert "--train-samples" not in message
+
+
+def test_train_samples_is_refused_by_name_before_megatrons_checks():
+    """Megatron's own validation would stop on a bare AssertionError first."""
+    with pytest.raises(ValueError, match="--train-samples: not used by pretrain_rl.py"):
+        parse_rl_args(MODEL + ["--train-samples", "1000"])
+
+
+def test_a_recipe_switch_set_false_undoes_the_preset(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("rl-loss: dapo\ngrpo-filter-groups-with-same-reward: false\n")
+    assert parse_rl_args(MODEL + ["--recipe", str(recipe)]).grpo_filter_groups_with_same_reward is False
+    recipe.write_text("rl-loss: dapo\n")
+    assert parse_rl_args(MODEL + ["--recipe", str(recipe)]).grpo_filter_groups_with_same_reward is True
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("rl-loss-aggregation: tokens", "'rl-loss-aggregation': 'tokens' is not one of ['token', 'sequence']"),
+    ("train-iters: 12.5", "'train-iters': 12.5 is not an integer"),
+    ("hidden-size: abc", "'hidden-size': invalid literal for int()"),
+    ("rl-task: sorting", "'rl-task': 'sorting' is not one of"),
+    ("lr: fast", "'lr': could not convert string to float"),
+])
+def test_recipe_values_are_checked_as_the_command_line_checks_them(tmp_path, line, expected):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(line + "\n")
+    with pytest.raises(ValueError) as info:
+        parse_rl_args(MODEL + ["--recipe", str(recipe)])
+    assert str(info.value).startswith(f"{recipe}: ") and expected in str(info.value)
+
+
+def test_recipe_numbers_become_the_flags_type(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("lr: 1\ntrain-iters: 7\n")
+    args = parse_rl_args(MODEL + ["--recipe", str(recipe)])
+    assert args.lr == 1.0 and isinstance(args.lr, float) and args.train_iters == 7
+
+
+def test_more_bad_rl_flags_are_named(tmp_path):
+    with pytest.raises(ValueError) as info:
+        parse_rl_args(MODEL + ["--rl-sft-batch-size", "0", "--rl-dynamic-sampling-max-rounds", "0",
+                               "--rl-sft-warmup-steps", "-3", "--rl-dataset", str(tmp_path / "d.jsonl"),
+                               "--exit-interval", "5"])
+    message = str(info.value)
+    for expected in ("--rl-sft-batch-size must be >= 1", "--rl-dynamic-sampling-max-rounds must be >= 1",
+                     "--rl-sft-warmup-steps must be >= 0",
+                     "--rl-dataset is read by --rl-task jsonl only (the task is sort)",
+                     "--exit-interval stop the run with a checkpoint: give --save DIR"):
+        assert expected in message
+
+
+def test_a_missing_tokenizer_directory_names_the_flag(tmp_path):
+    from megatron_rl_bi.envs.tokenizer import build_tokenizer
+
+    with pytest.raises(ValueError, match=f"--rl-tokenizer hf:{tmp_path}/none: no such directory"):
+        build_tokenizer(f"hf:{tmp_path}/none")
