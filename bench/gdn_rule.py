@@ -71,7 +71,7 @@ def measure(tokens, sequences, heads, dim) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=16384, help="packed tokens per batch")
     parser.add_argument("--sequences", type=int, default=32, help="sequences per batch")
     parser.add_argument("--heads", type=int, default=16, help="value heads")

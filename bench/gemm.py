@@ -32,7 +32,7 @@ DECODE_TILES = [gemm.TileConfig(64, n, 4, 4) for n in (32, 64, 128)] + [gemm.Til
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--output", default=None)
     return parser

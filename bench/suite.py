@@ -38,7 +38,7 @@ HEADLINE = {"dense16": "dense", "hybrid24": "hybrid"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--output", help="the JSON; the PNG goes beside it")
     target.add_argument("--table", help="print the Markdown table of an existing JSON; run nothing")

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_rl_bi import bi  # noqa: E402
-from megatron_rl_bi.config import parse_args, validate_batch_invariance  # noqa: E402
+from megatron_rl_bi.config import parse_args, validate_batch_invariance, validate_installed_kernels  # noqa: E402
 from megatron_rl_bi.config.from_args import engine_config_from_args  # noqa: E402
 from megatron_rl_bi.distributed import initialize_distributed  # noqa: E402
 from megatron_rl_bi.inference import Generator, Sampling  # noqa: E402
@@ -52,6 +52,17 @@ def add_parity_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def check_request_sizes(args: argparse.Namespace) -> None:
+    errors = [f"{flag} {low} {high}: give 1 <= MIN <= MAX"
+              for flag, (low, high) in (("--parity-prompt-lengths", args.parity_prompt_lengths),
+                                        ("--parity-max-new-tokens", args.parity_max_new_tokens))
+              if not 1 <= low <= high]
+    errors += [f"{flag} must be >= 1" for flag, value in (("--parity-requests", args.parity_requests),
+                                                          ("--parity-orders", args.parity_orders))
+               if value < 1]
+    if args.parity_temperature <= 0:
+        errors.append("--parity-temperature must be > 0")
+    if errors:
+        raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))
     longest = args.parity_prompt_lengths[1] + args.parity_max_new_tokens[1]
     if longest > args.max_position_embeddings:
         raise ValueError(
@@ -83,6 +94,7 @@ def summarize(result: dict) -> dict:
 def main() -> None:
     args = parse_args(extra_args_provider=add_parity_args)
     check_request_sizes(args)
+    validate_installed_kernels(args)
     initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
     prompts, budgets = random_requests(
         args.parity_requests, tuple(args.parity_prompt_lengths),

@@ -35,7 +35,7 @@ def added_metrics(expected: dict[int, dict], actual: dict[int, dict]) -> list[st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("expected", help="reference metrics JSONL")
     parser.add_argument("actual", help="metrics JSONL to check")
     args = parser.parse_args()

@@ -23,20 +23,32 @@ from megatron_rl_bi import bi  # noqa: E402
 from megatron_rl_bi.checkpoints.hf import export_hf, load_hf_weights, read_hf_model  # noqa: E402
 from megatron_rl_bi.checkpoints.hf.verify import verify  # noqa: E402
 from megatron_rl_bi.checkpoints.megatron import load_pretrained_weights, save_weights  # noqa: E402
-from megatron_rl_bi.config import parse_rl_args  # noqa: E402
+from megatron_rl_bi.config import parse_rl_args, validate_installed_kernels  # noqa: E402
 from megatron_rl_bi.distributed import initialize_distributed  # noqa: E402
 from megatron_rl_bi.models.build import build_model  # noqa: E402
 
 MODES = ("import", "export", "verify")
 
 
+# The flags each mode needs besides --hf-checkpoint, and what for.
+NEEDED = {"import": {"save": "--save OUT (the Megatron checkpoint written)"},
+          "export": {"load": "--load RUN/checkpoints (the checkpoint exported)",
+                     "save_hf": "--save-hf OUT (the HF directory written)"},
+          "verify": {}}
+
+
 def main() -> None:
+    if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help"):
+        print(__doc__ + "\nMode flags: `python tools/convert_hf.py MODE --help` (pretrain_rl.py's flags).")
+        return
     if len(sys.argv) < 2 or sys.argv[1] not in MODES:
         raise SystemExit(f"usage: convert_hf.py {{{','.join(MODES)}}} --hf-checkpoint DIR [flags]")
     mode, args = sys.argv[1], parse_rl_args(sys.argv[2:])
-    if not args.hf_checkpoint:
-        raise ValueError("convert_hf.py needs --hf-checkpoint DIR (the architecture, and the source "
-                         "of import)")
+    missing = ["--hf-checkpoint DIR (the architecture, and the source of import)"] * (not args.hf_checkpoint)
+    missing += [why for dest, why in NEEDED[mode].items() if not getattr(args, dest)]
+    if missing:
+        raise ValueError(f"convert_hf.py {mode} needs " + "; ".join(missing))
+    validate_installed_kernels(args)
     hf = read_hf_model(args.hf_checkpoint)
     initialize_distributed(args.seed)
     with bi.batch_invariant(args.batch_invariant_mode):

@@ -143,24 +143,45 @@ def compare(golden: dict, records: dict[int, dict]) -> list[str]:
     return failures
 
 
+def _load_all(paths: list[str], mode: str) -> list[tuple[Case, dict | None]]:
+    """Every case (and, to check, its golden values) read before any run: a bad path, case file
+    or missing golden file is an error naming it, before GPU time is spent."""
+    loaded = []
+    for path in paths:
+        if not os.path.isfile(os.path.join(path, "model_config.yaml")):
+            raise SystemExit(f"{path}: no model_config.yaml (a case directory under {CASES})")
+        golden = None
+        if mode == "check":
+            golden_path = os.path.join(path, GOLDEN)
+            if not os.path.isfile(golden_path):
+                raise SystemExit(f"{golden_path}: missing; python tools/golden_values.py regenerate {path}")
+            with open(golden_path) as f:
+                golden = json.load(f)
+        loaded.append((load_case(path), golden))
+    return loaded
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["regenerate", "check"])
     parser.add_argument("cases", nargs="*", help="case directories (default: all)")
     args = parser.parse_args()
     failed = False
-    for path in args.cases or all_cases():
-        case = load_case(path)
+    for case, golden in _load_all(args.cases or all_cases(), args.mode):
         resume = args.mode == "check" and case.test_type == "ckpt-resume"
-        records = run_case(case, tempfile.mkdtemp(prefix="golden_"), resume)
-        golden_path = os.path.join(case.path, GOLDEN)
+        try:
+            records = run_case(case, tempfile.mkdtemp(prefix="golden_"), resume)
+        except subprocess.CalledProcessError as exc:  # report it, go on with the other cases
+            print(f"{case.name}: FAILED\n  the run exited with {exc.returncode}")
+            failed = True
+            continue
         if args.mode == "regenerate":
+            golden_path = os.path.join(case.path, GOLDEN)
             with open(golden_path, "w") as f:
                 json.dump(golden_from_records(records), f, indent=2)
             print(f"{case.name}: wrote {golden_path}")
             continue
-        with open(golden_path) as f:
-            failures = compare(json.load(f), records)
+        failures = compare(golden, records)
         print(f"{case.name}: " + ("passed" if not failures else "FAILED\n  " + "\n  ".join(failures)))
         failed |= bool(failures)
     sys.exit(1 if failed else 0)

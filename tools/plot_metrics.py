@@ -46,7 +46,7 @@ def plot(runs: list[tuple[str, list[dict]]], output: str, title: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("jsonl", help="metrics JSONL of pretrain_rl.py")
     parser.add_argument("png", help="image to write")
     parser.add_argument("--title", default=None, help="figure title (default: the JSONL path)")

@@ -79,7 +79,7 @@ def save_prompts(path: str, count: int, seed: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("preset", choices=sorted(PRESETS))
     parser.add_argument("out", help="directory for hf/ and math.jsonl")
     parser.add_argument("--seed", type=int, default=0)

@@ -71,3 +71,15 @@ def test_cases_parse(path):
     case = golden_values.load_case(path)
     assert case.test_type in ("regular", "ckpt-resume")
     assert "--train-iters" in case.model_args and "--batch-invariant-mode" in case.flags()
+
+
+def test_check_reads_every_case_and_golden_file_before_running(tmp_path):
+    """_load_all runs before any case does: a missing golden file or case is named first."""
+    case = tmp_path / "model" / "case"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text("MODEL_ARGS: {--train-iters: 2}\n")
+    with pytest.raises(SystemExit, match=f"{case}/golden_values_dev_h200.json: missing"):
+        golden_values._load_all([golden_values.all_cases()[0], str(case)], "check")
+    with pytest.raises(SystemExit, match=f"{tmp_path}: no model_config.yaml"):
+        golden_values._load_all([str(tmp_path)], "regenerate")
+    assert [c.path for c, golden in golden_values._load_all([str(case)], "regenerate")] == [str(case)]

@@ -21,6 +21,20 @@ def test_help_exits_cleanly(script):
     assert "--batch-invariant-mode" in result.stdout
 
 
+def test_convert_hf_help_and_the_flags_each_mode_needs():
+    script = os.path.join(REPO, "tools", "convert_hf.py")
+    result = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "python tools/convert_hf.py import" in result.stdout
+    model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+             "--max-position-embeddings", "128"]
+    result = subprocess.run([sys.executable, script, "export", *model],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "convert_hf.py export needs --hf-checkpoint DIR" in result.stderr
+    assert "--load RUN/checkpoints (the checkpoint exported)" in result.stderr
+    assert "--save-hf OUT (the HF directory written)" in result.stderr
+
+
 def test_upstream_help_still_breaks():
     """Pins the upstream bug the compat fix exists for; when this fails, remove the fix."""
     from megatron.training.arguments import add_megatron_arguments

@@ -1,0 +1,40 @@
+"""tools/check_parity.py's request-size flags are checked before any GPU work: reversed ranges,
+zero counts and a non-positive temperature are named."""
+
+import argparse
+import importlib.util
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("check_parity", REPO / "tools" / "check_parity.py")
+check_parity = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check_parity)
+
+
+def _args(**overrides):
+    values = dict(parity_prompt_lengths=[1, 500], parity_max_new_tokens=[1, 256], parity_requests=32,
+                  parity_orders=2, parity_temperature=1.0, max_position_embeddings=1024,
+                  inference_max_seq_length=1024, parity_modes=["default"])
+    return argparse.Namespace(**{**values, **overrides})
+
+
+def test_good_sizes_pass():
+    check_parity.check_request_sizes(_args())
+
+
+def test_bad_sizes_are_each_named():
+    with pytest.raises(ValueError) as info:
+        check_parity.check_request_sizes(_args(parity_prompt_lengths=[900, 1], parity_max_new_tokens=[0, 4],
+                                               parity_requests=0, parity_orders=0, parity_temperature=0.0))
+    message = str(info.value)
+    for expected in ("--parity-prompt-lengths 900 1: give 1 <= MIN <= MAX",
+                     "--parity-max-new-tokens 0 4: give 1 <= MIN <= MAX", "--parity-requests must be >= 1",
+                     "--parity-orders must be >= 1", "--parity-temperature must be > 0"):
+        assert expected in message
+
+
+def test_requests_longer_than_the_model_are_refused():
+    with pytest.raises(ValueError, match="allow 1256 tokens but --max-position-embeddings is 1024"):
+        check_parity.check_request_sizes(_args(parity_prompt_lengths=[1, 1000]))
