@@ -2,13 +2,14 @@
 `--save-hf` use (one GPU process; flags are pretrain_rl.py's, the model's from the checkpoint).
 
   # HF -> a Megatron torch_dist checkpoint, for --pretrained-checkpoint OUT
-  python tools/convert_hf.py import --hf-checkpoint DIR --save OUT --bf16
+  python tools/convert_hf.py import --hf-checkpoint DIR --save OUT --bf16 --flash-attention-version 4
   # a pretrain_rl.py checkpoint (--save root or one iter_N) -> HF, shaped like DIR
-  python tools/convert_hf.py export --hf-checkpoint DIR --load RUN/checkpoints --save-hf OUT --bf16
+  python tools/convert_hf.py export --hf-checkpoint DIR --load RUN/checkpoints --save-hf OUT \
+      --bf16 --flash-attention-version 4
   # our bf16 logits vs transformers' fp32 forward on random tokens, next to transformers' own
   # bf16 forward (not a bitwise claim: other kernels); fails when ours is more than
   # VERIFY_FACTOR times further from fp32 than transformers' bf16 is
-  python tools/convert_hf.py verify --hf-checkpoint DIR --bf16
+  python tools/convert_hf.py verify --hf-checkpoint DIR --bf16 --flash-attention-version 4
 """
 
 import json

@@ -48,7 +48,8 @@ def _flash_attention_error(version: int | None, batch_invariant: bool) -> str | 
     from megatron_rl_bi.attention import flash_varlen_function
 
     if version is None:
-        return f"{'--batch-invariant-mode needs ' if batch_invariant else ''}--flash-attention-version 3 or 4"
+        return (f"{'--batch-invariant-mode' if batch_invariant else 'training attention'} needs "
+                "--flash-attention-version 3 or 4")
     if version == 2 and batch_invariant:
         return ("--flash-attention-version 2 cannot be used with --batch-invariant-mode: FA2 has no "
                 "fixed num_splits schedule; use 3 or 4")

@@ -120,6 +120,17 @@ def _recipe_value(action: argparse.Action, value):
     return value
 
 
+def _switch_value(action: argparse.Action, key: str, value: bool, flag_form: bool) -> dict:
+    """A switch in a recipe: `flag: true` as if given on the command line; `flag: false` sets a
+    store_true flag's destination false (undoing a preset) and leaves a store_false flag
+    (`no-rope-fusion`, `disable-bias-linear`) out; a destination key takes the value itself."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return {action.dest: value != key.startswith("no-")}
+    if flag_form and action.const is False:
+        return {action.dest: False} if value else {}
+    return {action.dest: value}
+
+
 def load_recipe(path: str, parser: argparse.ArgumentParser) -> dict:
     """Recipe keys are flag names (`disable-bias-linear: true`, as on the command line) or
     argument destinations (`add_bias_linear: false`). Values are checked as the command line's
@@ -135,11 +146,10 @@ def load_recipe(path: str, parser: argparse.ArgumentParser) -> dict:
         action = by_flag.get("--" + str(key).lstrip("-")) or by_dest.get(str(key).replace("-", "_"))
         if action is None:
             raise ValueError(f"{path}: unknown flag '{key}' in recipe")
-        if isinstance(action.const, bool) and action.nargs == 0 and key not in by_dest:
-            # store_true / store_false flags: `flag: true` means the flag was given.
+        if action.nargs == 0:
             if not isinstance(value, bool):
                 raise ValueError(f"{path}: '{key}' is a switch; give true or false")
-            values[action.dest] = action.const if value else not action.const
+            values.update(_switch_value(action, str(key).lstrip("-"), value, "--" + str(key).lstrip("-") in by_flag))
             continue
         try:
             values[action.dest] = value if value is None else _recipe_value(action, value)
@@ -191,7 +201,8 @@ def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise ValueError(f"--rl-loss {loss}: expected one of {sorted(LOSS_PRESETS)}")
         parser.set_defaults(**LOSS_PRESETS[loss])
         parser.set_defaults(**recipe)
-        if unused := unused_flag_errors(argv, recipe):  # before Megatron's checks trip on them
+        unused = [] if {"-h", "--help"} & set(argv) else unused_flag_errors(argv, recipe)
+        if unused:  # before Megatron's checks trip on them
             raise ValueError("invalid arguments:\n  " + "\n  ".join(unused))
         return parser
 
