@@ -3,8 +3,8 @@
 megatron-core's `matmul_persistent` is batch-invariant but slow on the H200: 1.3-1.5x cuBLAS's
 time on row-major training shapes, ~4x over a whole forward+backward (pointer loads of the
 transposed operands; bench/gemm.py, results/bench_h200.json). This kernel is persistent too, and
-loads its tiles with TMA (host tensor descriptors, out-of-bounds zero-filled, so no masks). What keeps an output row's
-bits independent of how many rows run with it: no split-K, and K reduced in order in BLOCK_K
+loads its tiles with TMA (host tensor descriptors, out-of-bounds zero-filled, so no masks). What
+keeps an output row's bits independent of how many rows run with it: no split-K, and K reduced in order in BLOCK_K
 steps into one fp32 accumulator per tile. The M/N tile sizes are picked by M and N (small tiles
 for decode-sized M); on the H200 the bits were found not to depend on them, and to equal
 megatron-core's kernel's (same fp32 accumulation of BLOCK_K=64 steps in K order): tests/gpu
@@ -12,8 +12,9 @@ test_bi_gemm checks every config and every layout. So `persistent_matmul`, the e
 switch installs in megatron-core's place, may leave small eager products (decode steps without
 CUDA graphs, where the launch cost of three TMA descriptors outweighs the kernel) to
 megatron-core's kernel without changing a row's bits; under graph capture launch cost is paid
-once, so the TMA kernel runs at every size. fp32 inputs, and tensors TMA cannot describe (a 16-byte-misaligned base
-or stride, the output's included: N not a multiple of 8 in bf16), go to megatron-core's kernel too.
+once, so the TMA kernel runs at every size. fp32 inputs, and tensors TMA cannot describe (a
+16-byte-misaligned base or stride, the output's included: N not a multiple of 8 in bf16), go to
+megatron-core's kernel too.
 """
 
 from dataclasses import dataclass
@@ -165,4 +166,3 @@ def persistent_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     if takes_tma_kernel(a.shape[0], b.shape[1]):
         return matmul(a, b, bias)
     return MCORE_MATMUL(a, b, bias)
-

@@ -102,11 +102,15 @@ def _scan(argv: list[str], flag: str) -> str | None:
 
 
 def _recipe_value(action: argparse.Action, value):
-    """`value` as the command line would have made it: strings through the flag's type, numbers
-    checked against it (12.5 is not an int), every item against its choices."""
+    """`value` (each item of a list, for a multi-value flag) as the command line would have made
+    it: strings through the flag's type, numbers checked against it (12.5 is not an int), every
+    item against its choices."""
     if isinstance(value, list) and action.nargs not in (None, 0, "?"):
-        return [_recipe_value(argparse.Action(action.option_strings, action.dest, type=action.type,
-                                              choices=action.choices), v) for v in value]
+        return [_recipe_item(action, item) for item in value]
+    return _recipe_item(action, value)
+
+
+def _recipe_item(action: argparse.Action, value):
     if isinstance(value, str) and action.type is not None:
         value = action.type(value)
     elif action.type is int and (isinstance(value, bool) or not isinstance(value, int)):
@@ -143,13 +147,14 @@ def load_recipe(path: str, parser: argparse.ArgumentParser) -> dict:
     by_dest = {a.dest: a for a in parser._actions}
     values = {}
     for key, value in recipe.items():
-        action = by_flag.get("--" + str(key).lstrip("-")) or by_dest.get(str(key).replace("-", "_"))
+        name = str(key).lstrip("-")
+        action = by_flag.get("--" + name) or by_dest.get(str(key).replace("-", "_"))
         if action is None:
             raise ValueError(f"{path}: unknown flag '{key}' in recipe")
         if action.nargs == 0:
             if not isinstance(value, bool):
                 raise ValueError(f"{path}: '{key}' is a switch; give true or false")
-            values.update(_switch_value(action, str(key).lstrip("-"), value, "--" + str(key).lstrip("-") in by_flag))
+            values.update(_switch_value(action, name, value, flag_form="--" + name in by_flag))
             continue
         try:
             values[action.dest] = value if value is None else _recipe_value(action, value)
