@@ -7,7 +7,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-_PACKAGES = ("torch", "triton", "megatron-core", "fla-core", "flash-attn-4", "transformer-engine")
+_PACKAGES = ("torch", "triton", "megatron-core", "fla-core", "flash-attn-4", "flash-attn-3",
+             "transformer-engine")
 
 
 def git_commit() -> str:

@@ -30,6 +30,15 @@ def test_matmul_rows_invariant(bi_on):
     _rows_alone_equal(linear, a, [slice(0, 1), slice(5, 12), slice(100, 1100), slice(4095, 4096)])
 
 
+
+def test_full_mean_is_the_mean(bi_on):
+    """A full mean reaches BI mode's `mean.dim` override with no dims (bi/mean.py); the verify
+    report's top-1 agreement is one."""
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device="cuda")
+    assert x.mean().item() == 2.5
+    assert (x > 1).float().mean().item() == 0.75
+    assert x.bfloat16().mean().dtype == torch.bfloat16
+
 @pytest.mark.parametrize("zero_centered", [False, True])
 @pytest.mark.parametrize("d", [2048, 2560, 8192])
 def test_rms_norm_rows_invariant(bi_on, d, zero_centered):

@@ -6,7 +6,7 @@ import torch
 from megatron.core.transformer.custom_layers import batch_invariant_kernels as mcore_bik
 
 from megatron_rl_bi import bi, compat
-from megatron_rl_bi.bi import gemm, rmsnorm
+from megatron_rl_bi.bi import gemm, mean, rmsnorm
 
 
 @pytest.fixture
@@ -84,3 +84,42 @@ def test_upstream_enable_without_te_half_enables(mm_calls):
     assert mcore_bik.is_batch_invariant_mode_enabled()  # half-enabled
     torch.mm(torch.randn(2, 2), torch.randn(2, 2))
     assert len(mm_calls) == 1  # the aten override stayed registered
+
+
+def test_upstream_full_mean_returns_the_sum(cpu_dispatch):
+    """Why bi.mean exists. When this fails, upstream fixed it."""
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    with compat.transformer_engine_optional():
+        mcore_bik.enable_batch_invariant_mode()
+    try:
+        assert x.mean().item() == 10.0
+    finally:
+        mcore_bik.disable_batch_invariant_mode()
+
+
+def test_full_mean_divides_by_the_element_count_while_on(cpu_dispatch, monkeypatch):
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    listed = []
+
+    def recording_mean(input, dim, keepdim=False, dtype=None):
+        listed.append(dim)
+        return input[0]
+
+    monkeypatch.setattr(mean, "_upstream_mean", recording_mean)
+    with bi.batch_invariant(True):
+        assert mcore_bik.mean_batch_invariant is mean.mean
+        assert x.mean().item() == 2.5
+        assert torch.mean(x, dim=None).item() == 2.5
+        assert x.mean(dim=[], keepdim=True).shape == (1, 1)
+        assert x.bfloat16().mean().dtype == torch.bfloat16
+        assert x.mean(dtype=torch.float64).dtype == torch.float64
+        x.mean(dim=(0, 1))  # listed dims: megatron-core's kernel, unchanged
+    assert listed == [[0, 1]]
+    assert mcore_bik.mean_batch_invariant is not mean.mean
+
+
+def test_full_mean_of_integers_needs_a_float_dtype():
+    ints = torch.tensor([1, 2, 4])
+    with pytest.raises(TypeError, match="floating-point dtype"):
+        mean.mean(ints, [])
+    assert torch.equal(mean.mean(ints, [], dtype=torch.float32), torch.tensor(7.0) / 3)
