@@ -60,6 +60,21 @@ def flash_varlen_function(flash_attention_version: int) -> Callable:
         ) from exc
 
 
+FA3_HEAD_DIMS = (64, 96, 128, 192, 256)  # FA3 runs a head dim with the kernel of the next one up
+
+
+def fa3_missing_head_dim(head_dim: int) -> int | None:
+    """The FA3 kernel head dim that `head_dim` needs when the installed flash_attn_3 was built
+    without it (`FLASHATTENTION_DISABLE_HDIM*`, recorded in the wheel's `flash_attn_config`; calling
+    it kills the process with a segfault), else None."""
+    try:
+        build_flags = importlib.import_module("flash_attn_config").CONFIG["build_flags"]
+    except (ImportError, AttributeError, KeyError):
+        return None  # a build that records no flags
+    kernel_dim = next((d for d in FA3_HEAD_DIMS if head_dim <= d), None)
+    return kernel_dim if build_flags.get(f"FLASHATTENTION_DISABLE_HDIM{kernel_dim}") else None
+
+
 class FlashCoreAttention(MegatronModule):
     """Causal self-attention core for THD (packed) or SBHD input, no dropout, no mask tensor."""
 

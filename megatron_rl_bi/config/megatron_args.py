@@ -64,6 +64,14 @@ def validate_installed_kernels(args: argparse.Namespace) -> None:
     """The checks that need installed packages, in every mode (parse_args makes them only in BI
     mode, so that CPU machines can parse a run's flags): one ValueError, before any GPU work."""
     errors = [problem] if (problem := _flash_attention_error(args.flash_attention_version, False)) else []
+    if not problem and args.flash_attention_version == 3:
+        from megatron_rl_bi.attention import fa3_missing_head_dim
+
+        head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
+        if kernel_dim := fa3_missing_head_dim(head_dim):
+            errors.append(f"--flash-attention-version 3: the installed flash_attn_3 was built without head "
+                          f"dim {kernel_dim} (FLASHATTENTION_DISABLE_HDIM{kernel_dim}), which this model's "
+                          f"head dim {head_dim} needs: rebuild it with that head dim, or use 4")
     if args.transformer_impl == "transformer_engine" and not compat.transformer_engine_installed():
         errors.append("--transformer-impl transformer_engine: TransformerEngine is not installed (use local)")
     if errors:

@@ -83,6 +83,38 @@ def test_installed_kernels_are_checked_in_default_mode(monkeypatch):
         validate_installed_kernels(args)
 
 
+
+@pytest.fixture
+def fa3_without_head_dim_256(monkeypatch):
+    """An installed FA3 wheel built with FLASHATTENTION_DISABLE_HDIM256 (as the H200 kit builds it)."""
+    import sys
+    import types
+
+    import megatron_rl_bi.attention as attention
+
+    monkeypatch.setattr(attention, "flash_varlen_function", lambda version: None)
+    config = types.SimpleNamespace(CONFIG={"build_flags": {"FLASHATTENTION_DISABLE_HDIM256": True,
+                                                           "FLASHATTENTION_DISABLE_HDIM96": False}})
+    monkeypatch.setitem(sys.modules, "flash_attn_config", config)
+
+
+def test_fa3_kernel_head_dims(fa3_without_head_dim_256):
+    from megatron_rl_bi.attention import fa3_missing_head_dim
+
+    assert [fa3_missing_head_dim(d) for d in (64, 80, 128, 129, 192, 193, 256)] == [
+        None, None, None, None, None, 256, 256]
+
+
+def test_fa3_built_without_the_models_head_dim(fa3_without_head_dim_256):
+    from megatron_rl_bi.config.megatron_args import validate_installed_kernels
+
+    args = parse_args(MODEL + ["--transformer-impl", "local", "--flash-attention-version", "3"])
+    validate_installed_kernels(args)  # head dim 16
+    args.kv_channels = 256
+    with pytest.raises(ValueError, match="built without head dim 256 .FLASHATTENTION_DISABLE_HDIM256., "
+                                         "which this model's head dim 256 needs"):
+        validate_installed_kernels(args)
+
 def test_layernorm_with_bi():
     message = errors_for(
         "--batch-invariant-mode", "--flash-attention-version", "4", "--normalization", "LayerNorm"
