@@ -20,15 +20,22 @@ from megatron_rl_bi.bi import gemm  # noqa: E402
 from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
 
 # (M, K, N, layout): trainer shapes (16K tokens: QKV, FFN, output layer; forward x @ W.T, input
-# gradient dY @ W, weight gradient dY.T @ X) and decode shapes (32-64 rows).
+# gradient dY @ W, weight gradient dY.T @ X) and decode shapes (32-64 rows; the 16-layer dense bench
+# model's QKV, output, MLP and LM-head products at 32 requests among them).
 SHAPES = [(8192, 2048, 8192, "forward"), (16384, 2048, 3072, "forward"),
           (16384, 2048, 12288, "forward"), (16384, 6144, 2048, "forward"),
           (16384, 2048, 151936, "forward"), (16384, 6144, 2048, "input_gradient"),
           (6144, 16384, 2048, "weight_gradient"), (2048, 16384, 12288, "weight_gradient"),
           (64, 4096, 12288, "forward"), (32, 2048, 3072, "forward"), (32, 2048, 2048, "forward"),
-          (32, 2048, 151936, "forward")]
-# Tiles tried at decode sizes (M <= 64), timed inside a CUDA graph; the bits must not change.
-DECODE_TILES = [gemm.TileConfig(64, n, 4, 4) for n in (32, 64, 128)] + [gemm.TileConfig(64, 256, 3, 8)]
+          (32, 2048, 151936, "forward"), (32, 2048, 4096, "forward"), (32, 2048, 12288, "forward"),
+          (32, 6144, 2048, "forward")]
+# Tiles tried at decode sizes (M <= 64), timed inside a CUDA graph; the bits must not change. A
+# decode product streams the weight once from fewer programs than the GPU has SMs, so wider K
+# blocks and deeper pipelines (more of the weight in flight per program) are tried too, within
+# ~200 KiB of shared memory for the pipeline's A and B tiles.
+DECODE_TILES = [gemm.TileConfig(64, n, stages, 4, k) for n in (32, 64, 128)
+                for k, stages in ((64, 4), (64, 6), (64, 8), (128, 3), (128, 4), (128, 6), (256, 3))
+                if stages * (64 + n) * k * 2 <= 200 * 1024] + [gemm.TileConfig(64, 256, 3, 8)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +60,8 @@ def operands(m: int, k: int, n: int, layout: str) -> tuple[torch.Tensor, torch.T
 
 def decode_tiles(a: torch.Tensor, b: torch.Tensor, repeats: int) -> list[dict]:
     reference = gemm.MCORE_MATMUL(a, b)
-    return [{"block_m": t.block_m, "block_n": t.block_n,
+    return [{"block_m": t.block_m, "block_n": t.block_n, "block_k": t.block_k, "num_stages": t.num_stages,
+             "num_warps": t.num_warps,
              "graphed_ms": graphed_seconds(lambda t=t: gemm.matmul(a, b, config=t), repeats) * 1e3,
              "bits_equal_mcore": torch.equal(gemm.matmul(a, b, config=t), reference)}
             for t in DECODE_TILES]

@@ -4,11 +4,12 @@ megatron-core's `matmul_persistent` is batch-invariant but slow on the H200: 1.3
 time on row-major training shapes, ~4x over a whole forward+backward (pointer loads of the
 transposed operands; bench/gemm.py, results/bench_h200.json). This kernel is persistent too, and
 loads its tiles with TMA (host tensor descriptors, out-of-bounds zero-filled, so no masks). What
-keeps an output row's bits independent of how many rows run with it: no split-K, and K reduced in order in BLOCK_K
-steps into one fp32 accumulator per tile. The M/N tile sizes are picked by M and N (small tiles
-for decode-sized M); on the H200 the bits were found not to depend on them, and to equal
-megatron-core's kernel's (same fp32 accumulation of BLOCK_K=64 steps in K order): tests/gpu
-test_bi_gemm checks every config and every layout. So `persistent_matmul`, the entry point the BI
+keeps an output row's bits independent of how many rows run with it: no split-K, and K reduced in order in
+block_k steps into one fp32 accumulator per tile (the MMA instructions accumulate 16 K values at a
+time in K order whatever the block). The tile sizes are picked by M and N (small tiles for
+decode-sized M); on the H200 the bits were found not to depend on the M/N tile, and to equal
+megatron-core's kernel's (the same fp32 accumulation in K order): tests/gpu test_bi_gemm checks
+every config and every layout, bench/gemm.py every decode tile it tries. So `persistent_matmul`, the entry point the BI
 switch installs in megatron-core's place, may leave small eager products (decode steps without
 CUDA graphs, where the launch cost of three TMA descriptors outweighs the kernel) to
 megatron-core's kernel without changing a row's bits; under graph capture launch cost is paid
@@ -25,7 +26,6 @@ import triton.language as tl
 from megatron.core.transformer.custom_layers import batch_invariant_kernels as _mcore_bik
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-BLOCK_K = 64
 GROUP_M = 8
 _TMA_ALIGNMENT_BYTES = 16
 MCORE_MATMUL = _mcore_bik.matmul_persistent
@@ -40,6 +40,7 @@ class TileConfig:
     block_n: int
     num_stages: int
     num_warps: int
+    block_k: int = 64
 
 
 # (largest M, smallest N, config), first match wins; every config reduces K the same way.
@@ -137,14 +138,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         return MCORE_MATMUL(a, b, bias)
     config = config or tile_config(m, n)
     (a_tma, a_column_major), (b_tma, b_column_major) = a_view, b_view
-    a_block = [BLOCK_K, config.block_m] if a_column_major else [config.block_m, BLOCK_K]
-    b_block = [config.block_n, BLOCK_K] if b_column_major else [BLOCK_K, config.block_n]
+    a_block = [config.block_k, config.block_m] if a_column_major else [config.block_m, config.block_k]
+    b_block = [config.block_n, config.block_k] if b_column_major else [config.block_k, config.block_n]
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     programs = min(_num_programs(a.device), tiles)
     _persistent_matmul[(programs,)](
         TensorDescriptor.from_tensor(a_tma, a_block), TensorDescriptor.from_tensor(b_tma, b_block),
         TensorDescriptor.from_tensor(c, [config.block_m, config.block_n]), bias, m, n, k, programs,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=GROUP_M,
         A_COLUMN_MAJOR=a_column_major, B_COLUMN_MAJOR=b_column_major, HAS_BIAS=bias is not None,
         num_stages=config.num_stages, num_warps=config.num_warps,
     )
