@@ -114,7 +114,7 @@ def _tma_view(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     return (view, column_major) if aligned else None
 
 
-def _num_programs(device: torch.device) -> int:
+def streaming_multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the Triton interpreter (CPU tests)
@@ -141,7 +141,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     a_block = [config.block_k, config.block_m] if a_column_major else [config.block_m, config.block_k]
     b_block = [config.block_n, config.block_k] if b_column_major else [config.block_k, config.block_n]
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    programs = min(_num_programs(a.device), tiles)
+    programs = min(streaming_multiprocessors(a.device), tiles)
     _persistent_matmul[(programs,)](
         TensorDescriptor.from_tensor(a_tma, a_block), TensorDescriptor.from_tensor(b_tma, b_block),
         TensorDescriptor.from_tensor(c, [config.block_m, config.block_n]), bias, m, n, k, programs,

@@ -2,14 +2,19 @@
 
 Turning it on routes aten mm/addmm/_log_softmax/mean.dim to megatron-core's batch-invariant Triton
 kernels (and, when TransformerEngine is installed, patches TE's GEMM and RMSNorm entry points the
-way megatron-core does), with five of megatron-core's pieces replaced where its overrides and TE
-patches look them up: its mean (`mean_batch_invariant`, which returns the sum for a full mean) by
-`bi.mean.mean`, its GEMM (`matmul_persistent`) by `bi.gemm.persistent_matmul`, its RMSNorm
-(`BatchInvariantRMSNormFn`, whose forward also drops zero-centred gamma) by
-`bi.rmsnorm.BatchInvariantRMSNorm`, its TE GEMM patch (`_te_general_gemm_patched`, which copies
-operands and ignores `accumulate`) by `bi.te_gemm.general_gemm`, and its TE fused-norm patch
-(`_te_apply_normalization_patched`, ~8 fp32 passes) by `bi.rmsnorm.te_apply_normalization`. Modules of this package
-ask `enabled()` at forward time; nobody threads a flag through call chains.
+way megatron-core does), with six of megatron-core's pieces replaced where its overrides and TE
+patches look them up:
+- its GEMM (`matmul_persistent`) by `bi.gemm.persistent_matmul` (same bits, near cuBLAS speed);
+- its log-softmax (`log_softmax`) by `bi.log_softmax.log_softmax` (same bits, few rows split);
+- its mean (`mean_batch_invariant`, which returns the sum for a full mean) by `bi.mean.mean`;
+- its RMSNorm (`BatchInvariantRMSNormFn`, whose forward also drops zero-centred gamma) by
+  `bi.rmsnorm.BatchInvariantRMSNorm`;
+- its TE GEMM patch (`_te_general_gemm_patched`, which copies operands and ignores `accumulate`)
+  by `bi.te_gemm.general_gemm`;
+- its TE fused-norm patch (`_te_apply_normalization_patched`, ~8 fp32 passes) by
+  `bi.rmsnorm.te_apply_normalization`.
+
+Modules of this package ask `enabled()` at forward time; nobody threads a flag through call chains.
 
 Departure from upstream: enabling is atomic. megatron-core's own `enable_batch_invariant_mode()`
 can fail half way (see compat.transformer_engine_optional); here a failure rolls everything back
@@ -22,12 +27,13 @@ from collections.abc import Iterator
 from megatron.core.transformer.custom_layers import batch_invariant_kernels as _mcore_bik
 
 from megatron_rl_bi import compat
-from megatron_rl_bi.bi import gemm, mean, rmsnorm, te_gemm
+from megatron_rl_bi.bi import gemm, log_softmax, mean, rmsnorm, te_gemm
 
 # megatron-core's BI pieces that its overrides look up at call time, or its enabling installs into
 # TE (so ours go in first), and ours.
-_OURS = {"mean_batch_invariant": mean.mean,
-         "matmul_persistent": gemm.persistent_matmul,
+_OURS = {"matmul_persistent": gemm.persistent_matmul,
+         "log_softmax": log_softmax.log_softmax,
+         "mean_batch_invariant": mean.mean,
          "BatchInvariantRMSNormFn": rmsnorm.BatchInvariantRMSNorm,
          "_te_general_gemm_patched": te_gemm.general_gemm,
          "_te_apply_normalization_patched": rmsnorm.te_apply_normalization}

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megatron_rl_bi import bi
+from megatron_rl_bi.bi import log_softmax
 
 from .conftest import FLASH_ATTENTION_VERSION
 
@@ -66,6 +67,19 @@ def test_rms_norm_forward_and_backward_close_to_the_default_mode(zero_centered):
     for name, ours, theirs in zip(("output", "dx", "dw"), *results):
         assert (ours - theirs).norm() / theirs.norm() < 1e-2, name
 
+
+
+@pytest.mark.parametrize("vocab", [151_936, 32_000, 4_097, 1_000])
+def test_split_log_softmax_has_megatron_cores_bits(vocab):
+    """A decode step's few rows run bi/log_softmax.py's split kernel, the trainer's many rows
+    megatron-core's: a token's logprob is the same either way only if the bits are."""
+    torch.manual_seed(0)
+    x = torch.randn(131, vocab, device="cuda") * 8
+    reference = log_softmax.MCORE_LOG_SOFTMAX(x)
+    for parts in (1, 2, 9, 64, 200):
+        assert torch.equal(log_softmax.split_rows_log_softmax(x, parts), reference), parts
+    for rows in (1, 32, 131):
+        assert torch.equal(log_softmax.log_softmax(x[:rows]), reference[:rows]), rows
 
 def test_selective_log_softmax_rows_invariant(bi_on):
     torch.manual_seed(0)
