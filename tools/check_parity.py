@@ -20,7 +20,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_rl_bi import bi  # noqa: E402
-from megatron_rl_bi.config import parse_args, validate_batch_invariance, validate_installed_kernels  # noqa: E402
+from megatron_rl_bi.config import (  # noqa: E402
+    parse_args,
+    raise_if_invalid,
+    validate_batch_invariance,
+    validate_installed_kernels,
+)
 from megatron_rl_bi.config.from_args import engine_config_from_args  # noqa: E402
 from megatron_rl_bi.distributed import initialize_distributed  # noqa: E402
 from megatron_rl_bi.inference import Generator, Sampling  # noqa: E402
@@ -61,8 +66,7 @@ def check_request_sizes(args: argparse.Namespace) -> None:
                if value < 1]
     if args.parity_temperature <= 0:
         errors.append("--parity-temperature must be > 0")
-    if errors:
-        raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))
+    raise_if_invalid(errors)
     longest = args.parity_prompt_lengths[1] + args.parity_max_new_tokens[1]
     if longest > args.max_position_embeddings:
         raise ValueError(

@@ -13,6 +13,12 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron_rl_bi import compat
 
 
+def raise_if_invalid(errors: list[str]) -> None:
+    """One ValueError listing every problem found, or nothing."""
+    if errors:
+        raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))
+
+
 def add_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     defaults = dict(
         # Trainer (THD, per sequence) and engine (per token) must apply the same unfused rope.
@@ -74,8 +80,7 @@ def validate_installed_kernels(args: argparse.Namespace) -> None:
                           f"head dim {head_dim} needs: rebuild it with that head dim, or use 4")
     if args.transformer_impl == "transformer_engine" and not compat.transformer_engine_installed():
         errors.append("--transformer-impl transformer_engine: TransformerEngine is not installed (use local)")
-    if errors:
-        raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))
+    raise_if_invalid(errors)
 
 
 def validate_batch_invariance(args: argparse.Namespace, batch_invariant: bool | None = None) -> None:
@@ -115,8 +120,7 @@ def validate_batch_invariance(args: argparse.Namespace, batch_invariant: bool | 
                 f"--normalization {args.normalization} with --batch-invariant-mode: only RMSNorm "
                 "has a batch-invariant kernel"
             )
-    if errors:
-        raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))
+    raise_if_invalid(errors)
 
 
 def validate_cuda_graphs(args: argparse.Namespace) -> None:

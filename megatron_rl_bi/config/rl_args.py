@@ -14,7 +14,7 @@ import yaml
 
 from megatron_rl_bi.checkpoints.hf.config import megatron_flags, read_hf_model
 from megatron_rl_bi.config.hf_args import add_hf_args, checkpoint_flag_errors
-from megatron_rl_bi.config.megatron_args import parse_args
+from megatron_rl_bi.config.megatron_args import parse_args, raise_if_invalid
 
 RL_DEFAULTS = dict(
     # Megatron's RL flags, with defaults for a synchronous on-policy loop.
@@ -207,8 +207,7 @@ def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.set_defaults(**LOSS_PRESETS[loss])
         parser.set_defaults(**recipe)
         unused = [] if {"-h", "--help"} & set(argv) else unused_flag_errors(argv, recipe)
-        if unused:  # before Megatron's checks trip on them
-            raise ValueError("invalid arguments:\n  " + "\n  ".join(unused))
+        raise_if_invalid(unused)  # before Megatron's checks trip on them
         return parser
 
     args = parse_args(argv, extra_args_provider=provider)
@@ -262,5 +261,4 @@ def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
                       "--rl-default-temperature alone")
     if args.rl_default_temperature <= 0:
         errors.append("--rl-default-temperature must be > 0")
-    if errors:
-        raise ValueError("invalid arguments:\n  " + "\n  ".join(errors))
+    raise_if_invalid(errors)
