@@ -103,7 +103,8 @@ def split_rows_log_softmax(x: torch.Tensor, parts: int) -> torch.Tensor:
 def log_softmax(input: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """megatron-core's `log_softmax(input, dim)` (its aten::_log_softmax override calls it): fp32
     CUDA input with fewer rows than the GPU has SMs is split; the rest runs megatron-core's."""
-    if dim not in (-1, input.dim() - 1) or input.dtype != torch.float32 or not input.is_cuda or input.numel() == 0:
+    if (dim not in (-1, input.dim() - 1) or input.dtype != torch.float32 or not input.is_cuda
+            or input.dim() == 0 or input.numel() == 0):
         return MCORE_LOG_SOFTMAX(input, dim=dim)
     x = input.reshape(-1, input.shape[-1]).contiguous()
     sms = streaming_multiprocessors(x.device)
