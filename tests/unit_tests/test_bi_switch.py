@@ -6,7 +6,7 @@ import torch
 from megatron.core.transformer.custom_layers import batch_invariant_kernels as mcore_bik
 
 from megatron_rl_bi import bi, compat
-from megatron_rl_bi.bi import gemm, mean, rmsnorm
+from megatron_rl_bi.bi import gemm, log_softmax, mean, rmsnorm
 
 
 @pytest.fixture
@@ -35,14 +35,16 @@ def test_enable_routes_mm_and_disable_restores(mm_calls):
     assert len(mm_calls) == 1
 
 
-def test_our_gemm_and_rmsnorm_stand_in_for_megatron_cores_while_on(mm_calls):
+def test_our_kernels_stand_in_for_megatron_cores_while_on(mm_calls):
     upstream_norm = mcore_bik.BatchInvariantRMSNormFn
     bi.enable()
     assert mcore_bik.matmul_persistent is gemm.persistent_matmul
     assert mcore_bik.BatchInvariantRMSNormFn is rmsnorm.BatchInvariantRMSNorm
+    assert mcore_bik.log_softmax is log_softmax.log_softmax
     bi.disable()
     assert mcore_bik.matmul_persistent is gemm.MCORE_MATMUL
     assert mcore_bik.BatchInvariantRMSNormFn is upstream_norm
+    assert mcore_bik.log_softmax is log_softmax.MCORE_LOG_SOFTMAX
 
 
 def test_enable_is_idempotent(mm_calls):
