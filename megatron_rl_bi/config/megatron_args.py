@@ -73,11 +73,10 @@ def validate_installed_kernels(args: argparse.Namespace) -> None:
     if not problem and args.flash_attention_version == 3:
         from megatron_rl_bi.attention import fa3_missing_head_dim
 
-        head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
-        if kernel_dim := fa3_missing_head_dim(head_dim):
+        if kernel_dim := fa3_missing_head_dim(args.kv_channels):  # Megatron's parse sets kv_channels
             errors.append(f"--flash-attention-version 3: the installed flash_attn_3 was built without head "
                           f"dim {kernel_dim} (FLASHATTENTION_DISABLE_HDIM{kernel_dim}), which this model's "
-                          f"head dim {head_dim} needs: rebuild it with that head dim, or use 4")
+                          f"head dim {args.kv_channels} needs: rebuild it with that head dim, or use 4")
     if args.transformer_impl == "transformer_engine" and not compat.transformer_engine_installed():
         errors.append("--transformer-impl transformer_engine: TransformerEngine is not installed (use local)")
     raise_if_invalid(errors)
