@@ -7,6 +7,7 @@ bits equal megatron-core's (if they do, the swap leaves every BI result file unc
 """
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -60,8 +61,7 @@ def operands(m: int, k: int, n: int, layout: str) -> tuple[torch.Tensor, torch.T
 
 def decode_tiles(a: torch.Tensor, b: torch.Tensor, repeats: int) -> list[dict]:
     reference = gemm.MCORE_MATMUL(a, b)
-    return [{"block_m": t.block_m, "block_n": t.block_n, "block_k": t.block_k, "num_stages": t.num_stages,
-             "num_warps": t.num_warps,
+    return [{**dataclasses.asdict(t),
              "graphed_ms": graphed_seconds(lambda t=t: gemm.matmul(a, b, config=t), repeats) * 1e3,
              "bits_equal_mcore": torch.equal(gemm.matmul(a, b, config=t), reference)}
             for t in DECODE_TILES]
