@@ -44,13 +44,16 @@ class TileConfig:
 
 
 # (largest M, smallest N, config), first match wins; every config reduces K the same way.
-# Decode-sized M takes narrow N tiles: a memory-bound product needs many programs streaming the
-# weight; but for wide N, 64 columns make too many short programs (graphed on the H200,
-# results/bench_h200.json: at N = 12,288 64x128 takes 0.032 ms against 0.045, at N = 151,936
-# 0.169 ms against 0.245; at N <= 3,072 64x64 is the fastest).
+# Decode-sized M takes narrow N tiles and long K steps: a memory-bound product needs many programs
+# streaming the weight, each with few, large loads in flight. Graphed on the H200 (bench/gemm.py's
+# decode sweep, results/bench_gemm_h200.json, all 20 tiles bit-identical): N >= 65,536 (the LM head)
+# 64x256 0.160 ms against 64x128's 0.168; N >= 8,192 64x128 with K steps of 128 0.027 ms at
+# 64x4096x12288 against 0.032; below that 64x64 with K steps of 256 0.0067-0.0077 ms against
+# 0.0076-0.0086 at K = 2048.
 TILE_CONFIGS = (
-    (64, 8192, TileConfig(64, 128, 4, 4)),
-    (64, 0, TileConfig(64, 64, 4, 4)),
+    (64, 65536, TileConfig(64, 256, 3, 8)),
+    (64, 8192, TileConfig(64, 128, 4, 4, block_k=128)),
+    (64, 0, TileConfig(64, 64, 3, 4, block_k=256)),
     (256, 0, TileConfig(128, 128, 4, 8)),
     (None, 0, TileConfig(128, 256, 3, 8)),
 )

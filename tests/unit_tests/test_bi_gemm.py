@@ -59,8 +59,9 @@ def test_rows_of_a_small_batch_equal_the_same_rows_of_a_large_one():
 def test_tile_picked_by_m_and_n():
     assert [gemm.tile_config(m, 2048).block_m for m in (1, 64, 65, 256, 257, 100_000)] == [64, 64, 128, 128, 128, 128]
     assert [gemm.tile_config(m, 2048).block_n for m in (1, 64, 65, 100_000)] == [64, 64, 128, 256]
-    # Decode rows: 128 columns a program from N = 8192 (the MLP's first linear, the LM head).
-    assert [gemm.tile_config(32, n).block_n for n in (4096, 8191, 8192, 151_936)] == [64, 64, 128, 128]
+    # Decode rows: 128 columns a program from N = 8192 (the MLP's first linear), 256 for the LM head.
+    assert [gemm.tile_config(32, n).block_n for n in (4096, 8191, 8192, 65_535, 151_936)] == [64, 64, 128, 128, 256]
+    assert [gemm.tile_config(32, n).block_k for n in (4096, 8192, 151_936)] == [256, 128, 64]
     assert gemm.tile_config(65, 151_936).block_n == 128  # not a decode size: the M rule alone
 
 
