@@ -2,8 +2,12 @@
 default on the same weights, each run checking its own BI parity) and the GEMM table
 (bench/gemm.py), gathered into one JSON with provenance and one PNG.
 
-  python bench/suite.py --output results/bench_h200.json   # and results/bench_h200.png
+  python bench/suite.py --output results/bench_h200.json \
+      --extra-flags "--cuda-graph-impl local --inference-cuda-graph-scope block --decode-only-cuda-graphs"
   python bench/suite.py --table results/bench_h200.json    # the README's table, from the file
+
+The record runs the engine with its decode CUDA graphs, as a user should; without
+--extra-flags the engine is eager (results/bench_eager_h200.json).
 """
 
 import argparse
