@@ -1,6 +1,8 @@
 """Where the time goes, in BI and in default mode on the same weights: the wall time of every
 engine step of a generation (the first is the prefill, the rest decode steps; their sum is the
-generation's time), the decode step as a fraction of the HBM roofline, torch-profiler tables
+generation's time), the pace of decode steps left unsynchronized (the time between one step's
+return and the next's, as a caller's loop sees it), the decode step as a fraction of the HBM
+roofline, torch-profiler tables
 (self CPU and self GPU time per op, per step) of decode steps and of a packed trainer
 forward+backward, and the RL update's time (32 generations: packing, logprobs, loss, backward,
 optimizer step).
@@ -45,27 +47,35 @@ def add_profile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 class EngineStepHook:
-    """Wraps the engine's step: records each step's wall time (synchronized) and, when given a
-    profiler, runs it over every step after the first (the decode steps)."""
+    """Wraps the engine's step. Synchronized, it records each step's wall time alone (the GPU
+    idle at its start and done at its end) and, when given a profiler, runs it over every step
+    after the first (the decode steps). Unsynchronized, it records the time from the previous
+    step's return (the first: from the generation's start) to this one's: what a caller's loop
+    sees, with whatever host work of one step overlaps GPU work of the one before."""
 
     def __init__(self, engine):
         self.engine, self.step = engine, engine.step_modern
         self.times: list[float] = []
-        self.profiler = None
+        self.profiler, self.synchronize, self.last_return = None, True, 0.0
         engine.step_modern = self
 
     def __call__(self, *args, **kwargs):
         if self.profiler is not None and len(self.times) == 1:
             self.profiler.start()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+        if self.synchronize:
+            torch.cuda.synchronize()
+            self.last_return = time.perf_counter()
         result = self.step(*args, **kwargs)
-        torch.cuda.synchronize()
-        self.times.append(time.perf_counter() - start)
+        if self.synchronize:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.times.append(now - self.last_return)
+        self.last_return = now
         return result
 
-    def run(self, work: Workload, new_tokens: int, profiler=None) -> list[float]:
-        self.times, self.profiler = [], profiler
+    def run(self, work: Workload, new_tokens: int, profiler=None, synchronize: bool = True) -> list[float]:
+        self.times, self.profiler, self.synchronize = [], profiler, synchronize
+        self.last_return = time.perf_counter()
         work.generate(new_tokens)
         if profiler is not None:
             profiler.stop()
@@ -126,6 +136,7 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
         hook.run(work, args.bench_new_tokens)  # warm-up
         step_times = hook.run(work, args.bench_new_tokens)
         decode_s = statistics.median(step_times[1:])
+        paced_times = hook.run(work, args.bench_new_tokens, synchronize=False)
         activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
         train_s = seconds(work.train_step, 3)
         rollouts = work.rollouts(args.bench_new_tokens)
@@ -140,6 +151,7 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
             "engine_steps": step_time_summary(step_times),
             "prefill_ms": step_times[0] * 1e3,
             "decode_step_ms_median": decode_s * 1e3,
+            "decode_interval_ms_median": statistics.median(paced_times[1:]) * 1e3,
             "decode_tokens_per_s": len(work.prompts) / decode_s,
             "decode_hbm_roofline_fraction": decode_bytes(args, work, args.bench_new_tokens)
             / decode_s / HBM_BYTES_PER_S,
@@ -155,8 +167,8 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
 
 def main() -> None:
     args, report = run_in_both_modes(add_profile_args, measure)
-    keys = ("prefill_ms", "decode_step_ms_median", "decode_hbm_roofline_fraction", "train_fwd_bwd_s",
-            "parity_max")
+    keys = ("prefill_ms", "decode_step_ms_median", "decode_interval_ms_median", "decode_hbm_roofline_fraction",
+            "train_fwd_bwd_s", "parity_max")
     write_report(report, {mode: {k: report[mode][k] for k in keys} for mode in ("bi", "default")},
                  args.bench_output)
     check_bi_parity(report)

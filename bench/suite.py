@@ -72,6 +72,8 @@ def summarize(profile: dict) -> dict:
         "generation_ratio": bi["generate_s"] / default["generate_s"],
         "decode_ms_bi": bi["decode_step_ms_median"],
         "decode_ms_default": default["decode_step_ms_median"],
+        "decode_interval_ms_bi": bi.get("decode_interval_ms_median"),
+        "decode_interval_ms_default": default.get("decode_interval_ms_median"),
         "decode_roofline_fraction_bi": bi["decode_hbm_roofline_fraction"],
         "decode_roofline_fraction_default": default["decode_hbm_roofline_fraction"],
         "train_fwd_bwd_s": {"bi": bi["train_fwd_bwd_s"], "default": default["train_fwd_bwd_s"]},
@@ -92,19 +94,24 @@ def headline(models: dict) -> dict:
                          f"update_ratio_{short}": m["update_ratio"],
                          f"generation_ratio_{short}": m["generation_ratio"],
                          f"decode_ms_{short}_bi": m["decode_ms_bi"],
+                         f"decode_interval_ms_{short}_bi": m.get("decode_interval_ms_bi"),
                          f"decode_roofline_fraction_{short}_bi": m["decode_roofline_fraction_bi"]})
     return keys
 
 
 def markdown_table(report: dict) -> str:
-    """Per model: the BI / default ratios, both decode steps and BI's roofline fraction, and the
-    commit and extra flags the numbers came from."""
+    """Per model: the BI / default ratios, both decode steps (synchronized alone, and unsynchronized
+    intervals where the file has them), BI's roofline fraction, and the commit and extra flags
+    the numbers came from."""
     lines = ["| model | trainer fwd+bwd | RL update | generation | decode step BI / default "
-             "| BI decode, HBM roofline |", "| --- | --- | --- | --- | --- | --- |"]
+             "| decode interval BI / default | BI decode, HBM roofline |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, m in report["models"].items():
+        interval = (f"{m['decode_interval_ms_bi']:.2f} / {m['decode_interval_ms_default']:.2f} ms"
+                    if m.get("decode_interval_ms_bi") is not None else "not measured")
         lines.append(f"| {name} | {m['trainer_ratio']:.2f}x | {m['update_ratio']:.2f}x "
-                     f"| {m['generation_ratio']:.2f}x | {m['decode_ms_bi']:.1f} / {m['decode_ms_default']:.1f} ms "
-                     f"| {m['decode_roofline_fraction_bi']:.1%} |")
+                     f"| {m['generation_ratio']:.2f}x | {m['decode_ms_bi']:.2f} / {m['decode_ms_default']:.2f} ms "
+                     f"| {interval} | {m['decode_roofline_fraction_bi']:.1%} |")
     flags = report.get("extra_flags") or "none"
     lines.append(f"\nBI time / default time, {report['device']}, commit {report['git_commit'][:7]}, "
                  f"extra flags: {flags}.")

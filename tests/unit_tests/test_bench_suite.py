@@ -3,6 +3,7 @@ every model's flags parse."""
 
 import importlib.util
 import os
+import time
 
 import pytest
 
@@ -20,12 +21,12 @@ def _module(relative_path):
 
 suite = _module("bench/suite.py")
 MODE = {"train_fwd_bwd_s": 1.0, "rl_update_s": 2.0, "generate_s": 4.0, "decode_step_ms_median": 30.0,
-        "decode_hbm_roofline_fraction": 0.02, "parity_max": 0.0}
+        "decode_interval_ms_median": 25.0, "decode_hbm_roofline_fraction": 0.02, "parity_max": 0.0}
 
 
 def test_ratios_and_headline_keys():
     profile = {"bi": {**MODE, "train_fwd_bwd_s": 1.5, "rl_update_s": 2.2, "generate_s": 5.0,
-                      "decode_step_ms_median": 40.0},
+                      "decode_step_ms_median": 40.0, "decode_interval_ms_median": 35.0},
                "default": MODE}
     summary = suite.summarize(profile)
     assert (summary["trainer_ratio"], summary["generation_ratio"]) == (1.5, 1.25)
@@ -33,7 +34,7 @@ def test_ratios_and_headline_keys():
     assert (summary["decode_ms_bi"], summary["decode_ms_default"]) == (40.0, 30.0)
     assert suite.headline({"dense16": summary, "dense4": summary}) == {
         "trainer_ratio_dense": 1.5, "update_ratio_dense": summary["update_ratio"],
-        "generation_ratio_dense": 1.25, "decode_ms_dense_bi": 40.0,
+        "generation_ratio_dense": 1.25, "decode_ms_dense_bi": 40.0, "decode_interval_ms_dense_bi": 35.0,
         "decode_roofline_fraction_dense_bi": 0.02}
 
 
@@ -49,8 +50,46 @@ def test_markdown_table_from_a_report():
     report = {"device": "NVIDIA H200", "git_commit": "0123456789abcdef", "extra_flags": "",
               "models": {"dense16": model}}
     assert suite.markdown_table(report).splitlines()[2] == (
-        "| dense16 | 1.50x | 1.00x | 1.00x | 30.0 / 30.0 ms | 2.0% |")
+        "| dense16 | 1.50x | 1.00x | 1.00x | 30.00 / 30.00 ms | 25.00 / 25.00 ms | 2.0% |")
     assert "commit 0123456, extra flags: none." in suite.markdown_table(report)
+
+
+def test_markdown_table_of_a_file_without_decode_intervals():
+    old = {key: value for key, value in MODE.items() if key != "decode_interval_ms_median"}
+    report = {"device": "NVIDIA H200", "git_commit": "0123456789abcdef", "extra_flags": "",
+              "models": {"dense16": suite.summarize({"bi": old, "default": old})}}
+    assert "| 30.00 / 30.00 ms | not measured | 2.0% |" in suite.markdown_table(report)
+
+
+class _FakeEngine:
+    """An engine whose steps take known host times (no GPU)."""
+
+    def __init__(self, step_seconds):
+        self.step_seconds, self.steps = step_seconds, 0
+
+    def step_modern(self):
+        time.sleep(self.step_seconds[self.steps])
+        self.steps += 1
+
+
+class _FakeWork:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, new_tokens):
+        for _ in range(new_tokens):
+            self.engine.step_modern()
+
+
+def test_unsynchronized_hook_records_the_time_between_step_returns():
+    profile_steps = _module("bench/profile_steps.py")
+    engine = _FakeEngine([0.05, 0.01, 0.02])
+    hook = profile_steps.EngineStepHook(engine)
+    times = hook.run(_FakeWork(engine), 3, synchronize=False)
+    assert engine.steps == 3 and len(times) == 3
+    # each interval covers its step's sleep, and the three add up to the generation's time
+    assert all(t >= s for t, s in zip(times, [0.05, 0.01, 0.02]))
+    assert times[0] < 0.05 + 0.04 and sum(times) < 0.08 + 0.04
 
 
 def test_step_time_summary_names_the_slow_steps():
