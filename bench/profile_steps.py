@@ -2,17 +2,19 @@
 engine step of a generation (the first is the prefill, the rest decode steps; their sum is the
 generation's time), the pace of decode steps left unsynchronized (the time between one step's
 return and the next's, as a caller's loop sees it), the decode step as a fraction of the HBM
-roofline, torch-profiler tables
-(self CPU and self GPU time per op, per step) of decode steps and of a packed trainer
-forward+backward, and the RL update's time (32 generations: packing, logprobs, loss, backward,
-optimizer step).
+roofline, torch-profiler tables (self CPU and self GPU time per op, per step) of decode steps
+and of a packed trainer forward+backward, a cProfile table of the decode steps' Python
+functions (own and cumulative time per step), and the RL update's time (32 generations:
+packing, logprobs, loss, backward, optimizer step).
 
   python bench/profile_steps.py <Megatron model flags> --flash-attention-version 4 \
       --bench-output results/profile_dense16_h200.json
 """
 
 import argparse
+import cProfile
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -35,7 +37,7 @@ from megatron_rl_bi import bi  # noqa: E402
 from megatron_rl_bi.models.build import cpu_state_dict  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12  # H200
-PROFILED_DECODE_STEPS = 8
+PROFILED_NEW_TOKENS = 10  # the torch profiler's generation: 8-9 decode steps once the prompts are in
 
 
 def add_profile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -46,22 +48,40 @@ def add_profile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
+class PythonProfiler:
+    """cProfile behind the torch profiler's start/stop, for EngineStepHook."""
+
+    def __init__(self):
+        self.profile = cProfile.Profile()
+
+    def start(self):
+        self.profile.enable()
+
+    def stop(self):
+        self.profile.disable()
+
+
 class EngineStepHook:
     """Wraps the engine's step. Synchronized, it records each step's wall time alone (the GPU
-    idle at its start and done at its end) and, when given a profiler, runs it over every step
-    after the first (the decode steps). Unsynchronized, it records the time from the previous
+    idle at its start and done at its end). Unsynchronized, it records the time from the previous
     step's return (the first: from the generation's start) to this one's: what a caller's loop
-    sees, with whatever host work of one step overlaps GPU work of the one before."""
+    sees, with whatever host work of one step overlaps GPU work of the one before. A profiler,
+    when given, runs over the decode steps only: from the first step after every request was
+    admitted (no prompt is left waiting, so no step after it prefills); `profiled_steps` counts
+    them."""
 
     def __init__(self, engine):
         self.engine, self.step = engine, engine.step_modern
         self.times: list[float] = []
         self.profiler, self.synchronize, self.last_return = None, True, 0.0
+        self.profiled_steps = 0
         engine.step_modern = self
 
     def __call__(self, *args, **kwargs):
-        if self.profiler is not None and len(self.times) == 1:
-            self.profiler.start()
+        if self.profiler is not None and (self.profiled_steps or self.prompts_admitted()):
+            if not self.profiled_steps:
+                self.profiler.start()
+            self.profiled_steps += 1
         if self.synchronize:
             torch.cuda.synchronize()
             self.last_return = time.perf_counter()
@@ -73,11 +93,14 @@ class EngineStepHook:
         self.last_return = now
         return result
 
+    def prompts_admitted(self) -> bool:
+        return bool(self.times) and not self.engine.waiting_request_ids
+
     def run(self, work: Workload, new_tokens: int, profiler=None, synchronize: bool = True) -> list[float]:
         self.times, self.profiler, self.synchronize = [], profiler, synchronize
-        self.last_return = time.perf_counter()
+        self.profiled_steps, self.last_return = 0, time.perf_counter()
         work.generate(new_tokens)
-        if profiler is not None:
+        if self.profiled_steps:
             profiler.stop()
         return self.times
 
@@ -94,6 +117,25 @@ def op_table(profiler, per: int, rows: int) -> dict[str, list[dict]]:
     by = {"by_self_cpu": "self_cpu_time_total", "by_self_gpu": "self_device_time_total"}
     return {name: [row(e) for e in sorted(events, key=lambda e: getattr(e, key), reverse=True)[:rows]]
             for name, key in by.items()}
+
+
+def python_table(profiler: PythonProfiler, per: int, rows: int) -> list[dict]:
+    """The Python functions with the most own time (tottime), in ms per step (`per` steps ran),
+    with their cumulative time: where the host time of a step goes, below the op level."""
+    stats = pstats.Stats(profiler.profile).stats
+    top = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:rows]
+    return [{"function": f"{short_path(path)}:{line}({name})", "calls_per_step": calls / per,
+             "own_ms": own * 1e3 / per, "cumulative_ms": cumulative * 1e3 / per}
+            for (path, line, name), (_, calls, own, cumulative, _) in top]
+
+
+def short_path(path: str) -> str:
+    """An installed package's or this package's source path from the package down."""
+    if "site-packages/" in path:
+        return path.rsplit("site-packages/", 1)[1]
+    if "megatron_rl_bi/" in path:
+        return "megatron_rl_bi/" + path.rsplit("megatron_rl_bi/", 1)[1]
+    return path
 
 
 def step_time_summary(step_times: list[float]) -> dict:
@@ -145,7 +187,10 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
             work.train_step()
             torch.cuda.synchronize()
         decode_profile = profile(activities=activities)
-        hook.run(work, PROFILED_DECODE_STEPS + 1, decode_profile)
+        hook.run(work, PROFILED_NEW_TOKENS, decode_profile)
+        profiled_decode_steps = hook.profiled_steps
+        python_profile = PythonProfiler()
+        hook.run(work, args.bench_new_tokens, python_profile, synchronize=False)
         result = {
             "generate_s": sum(step_times),
             "engine_steps": step_time_summary(step_times),
@@ -157,7 +202,10 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
             / decode_s / HBM_BYTES_PER_S,
             "train_fwd_bwd_s": train_s,
             "rl_update_s": update_s,
-            "decode_ops": op_table(decode_profile, PROFILED_DECODE_STEPS, args.bench_op_rows),
+            "decode_ops": op_table(decode_profile, profiled_decode_steps, args.bench_op_rows),
+            "decode_ops_steps": profiled_decode_steps,
+            "decode_python": python_table(python_profile, hook.profiled_steps, args.bench_op_rows),
+            "decode_python_steps": hook.profiled_steps,
             "train_ops": op_table(train_profile, 1, args.bench_op_rows),
             "parity_max": work.parity_max(),
         }

@@ -92,6 +92,51 @@ def test_unsynchronized_hook_records_the_time_between_step_returns():
     assert times[0] < 0.05 + 0.04 and sum(times) < 0.08 + 0.04
 
 
+def test_hook_profiles_only_steps_after_every_prompt_is_admitted():
+    profile_steps = _module("bench/profile_steps.py")
+    engine = _FakeEngine([0.0] * 5)
+    engine.waiting_request_ids = [7, 8]
+    work = _FakeWork(engine)
+    original_step = engine.step_modern
+
+    def admit_after_two_steps():
+        original_step()
+        if engine.steps == 2:
+            engine.waiting_request_ids = []
+
+    engine.step_modern = admit_after_two_steps
+    hook = profile_steps.EngineStepHook(engine)
+    profiler = profile_steps.PythonProfiler()
+    hook.run(work, 5, profiler, synchronize=False)
+    assert hook.profiled_steps == 3  # steps 3, 4, 5
+
+
+def _spin(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_python_table_per_step():
+    profile_steps = _module("bench/profile_steps.py")
+    profiler = profile_steps.PythonProfiler()
+    profiler.start()
+    for _ in range(4):
+        _spin(0.01)
+    profiler.stop()
+    row = next(r for r in profile_steps.python_table(profiler, per=2, rows=5) if "(_spin)" in r["function"])
+    assert row["function"].endswith("test_bench_suite.py:" + str(_spin.__code__.co_firstlineno) + "(_spin)")
+    assert row["calls_per_step"] == 2.0
+    assert 20.0 <= row["cumulative_ms"] < 40.0  # two 10 ms spins a step
+
+
+def test_short_path():
+    profile_steps = _module("bench/profile_steps.py")
+    assert profile_steps.short_path("/x/lib/python3.12/site-packages/megatron/core/a.py") == "megatron/core/a.py"
+    assert profile_steps.short_path("/home/u/megatron_rl_bi/megatron_rl_bi/bi/gemm.py") == "megatron_rl_bi/bi/gemm.py"
+    assert profile_steps.short_path("/tmp/b.py") == "/tmp/b.py"
+
+
 def test_step_time_summary_names_the_slow_steps():
     profile_steps = _module("bench/profile_steps.py")
     summary = profile_steps.step_time_summary([0.05, 0.01, 0.01, 2.0, 0.01, 0.02])
