@@ -100,7 +100,10 @@ class EngineStepHook:
         self.times, self.profiler, self.synchronize = [], profiler, synchronize
         self.profiled_steps, self.last_return = 0, time.perf_counter()
         work.generate(new_tokens)
-        if self.profiled_steps:
+        if profiler is not None:
+            if not self.profiled_steps:
+                raise RuntimeError(f"no decode step ran after every prompt was admitted in {len(self.times)} "
+                                   f"steps of {new_tokens} new tokens: nothing was profiled")
             profiler.stop()
         return self.times
 

@@ -109,6 +109,9 @@ def test_hook_profiles_only_steps_after_every_prompt_is_admitted():
     profiler = profile_steps.PythonProfiler()
     hook.run(work, 5, profiler, synchronize=False)
     assert hook.profiled_steps == 3  # steps 3, 4, 5
+    engine.steps, engine.waiting_request_ids = 0, [9]  # never admitted: nothing to profile
+    with pytest.raises(RuntimeError, match="nothing was profiled"):
+        hook.run(work, 1, profile_steps.PythonProfiler(), synchronize=False)
 
 
 def _spin(seconds):
