@@ -224,5 +224,6 @@ def main() -> None:
                  args.bench_output)
     check_bi_parity(report)
 
+
 if __name__ == "__main__":
     main()

@@ -4,18 +4,18 @@ megatron-core's `matmul_persistent` is batch-invariant but slow on the H200: 1.3
 time on row-major training shapes, ~4x over a whole forward+backward (pointer loads of the
 transposed operands; bench/gemm.py, results/bench_h200.json). This kernel is persistent too, and
 loads its tiles with TMA (host tensor descriptors, out-of-bounds zero-filled, so no masks). What
-keeps an output row's bits independent of how many rows run with it: no split-K, and K reduced in order in
-block_k steps into one fp32 accumulator per tile (the MMA instructions accumulate 16 K values at a
-time in K order whatever the block). The tile sizes are picked by M and N (small tiles for
-decode-sized M); on the H200 the bits were found not to depend on the M/N tile, and to equal
-megatron-core's kernel's (the same fp32 accumulation in K order): tests/gpu test_bi_gemm checks
-every config and every layout, bench/gemm.py every decode tile it tries. So `persistent_matmul`, the entry point the BI
-switch installs in megatron-core's place, may leave small eager products (decode steps without
-CUDA graphs, where the launch cost of three TMA descriptors outweighs the kernel) to
-megatron-core's kernel without changing a row's bits; under graph capture launch cost is paid
-once, so the TMA kernel runs at every size. fp32 inputs, and tensors TMA cannot describe (a
-16-byte-misaligned base or stride, the output's included: N not a multiple of 8 in bf16), go to
-megatron-core's kernel too.
+keeps an output row's bits independent of how many rows run with it: no split-K, and K reduced
+in order in block_k steps into one fp32 accumulator per tile (the MMA instructions accumulate 16
+K values at a time in K order whatever the block). The tile sizes are picked by M and N (small
+tiles for decode-sized M); on the H200 the bits were found not to depend on the M/N tile, and to
+equal megatron-core's kernel's (the same fp32 accumulation in K order): tests/gpu test_bi_gemm
+checks every config and every layout, bench/gemm.py every decode tile it tries. So
+`persistent_matmul`, the entry point the BI switch installs in megatron-core's place, may leave
+small eager products (decode steps without CUDA graphs, where the launch cost of three TMA
+descriptors outweighs the kernel) to megatron-core's kernel without changing a row's bits; under
+graph capture launch cost is paid once, so the TMA kernel runs at every size. fp32 inputs, and
+tensors TMA cannot describe (a 16-byte-misaligned base or stride, the output's included: N not a
+multiple of 8 in bf16), go to megatron-core's kernel too.
 """
 
 from dataclasses import dataclass

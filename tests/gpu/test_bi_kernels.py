@@ -31,7 +31,6 @@ def test_matmul_rows_invariant(bi_on):
     _rows_alone_equal(linear, a, [slice(0, 1), slice(5, 12), slice(100, 1100), slice(4095, 4096)])
 
 
-
 def test_full_mean_is_the_mean(bi_on):
     """A full mean reaches BI mode's `mean.dim` override with no dims (bi/mean.py); the verify
     report's top-1 agreement is one."""
@@ -39,6 +38,7 @@ def test_full_mean_is_the_mean(bi_on):
     assert x.mean().item() == 2.5
     assert (x > 1).float().mean().item() == 0.75
     assert x.bfloat16().mean().dtype == torch.bfloat16
+
 
 @pytest.mark.parametrize("zero_centered", [False, True])
 @pytest.mark.parametrize("d", [2048, 2560, 8192])
@@ -68,7 +68,6 @@ def test_rms_norm_forward_and_backward_close_to_the_default_mode(zero_centered):
         assert (ours - theirs).norm() / theirs.norm() < 1e-2, name
 
 
-
 @pytest.mark.parametrize("vocab", [151_936, 32_000, 4_097, 1_000])
 def test_split_log_softmax_has_megatron_cores_bits(vocab):
     """A decode step's few rows run bi/log_softmax.py's split kernel, the trainer's many rows
@@ -80,6 +79,7 @@ def test_split_log_softmax_has_megatron_cores_bits(vocab):
         assert torch.equal(log_softmax.split_rows_log_softmax(x, parts), reference), parts
     for rows in (1, 32, 131):
         assert torch.equal(log_softmax.log_softmax(x[:rows]), reference[:rows]), rows
+
 
 def test_selective_log_softmax_rows_invariant(bi_on):
     torch.manual_seed(0)

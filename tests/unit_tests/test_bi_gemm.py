@@ -37,12 +37,12 @@ def test_every_layout_gives_the_product(a_column_major, b_column_major):
     _close(out, reference)
 
 
-
 @pytest.mark.parametrize("block_k", [64, 128, 256])
 def test_every_k_block_gives_the_product(block_k):
     a, b = _operands(40, 296, 96)  # K not a multiple of any block: zero-filled K tail
     out = gemm.matmul(a, _column_major(b), config=gemm.TileConfig(64, 32, 3, 4, block_k))
     _close(out, a.float() @ b.float())
+
 
 def test_bias_is_added_in_fp32_before_rounding():
     a, b = _operands(8, 64, 128)
