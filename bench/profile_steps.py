@@ -1,11 +1,11 @@
-"""Where the time goes, in BI and in default mode on the same weights: the wall time of every
-engine step of a generation (the first is the prefill, the rest decode steps; their sum is the
-generation's time), the pace of decode steps left unsynchronized (the time between one step's
-return and the next's, as a caller's loop sees it), the decode step as a fraction of the HBM
-roofline, torch-profiler tables (self CPU and self GPU time per op, per step) of decode steps
-and of a packed trainer forward+backward, a cProfile table of the decode steps' Python
-functions (own and cumulative time per step), and the RL update's time (32 generations:
-packing, logprobs, loss, backward, optimizer step).
+"""Where the time goes, in BI and in default mode on the same weights: the wall time of every engine
+step of a generation (the first is the prefill, the rest decode steps; their sum is the
+generation's time), the same steps left unsynchronized (the time between one step's return and the
+next's, as a caller's loop sees it; their sum is the generation's time as it sees it), the decode
+step as a fraction of the HBM roofline, torch-profiler tables (self CPU and self GPU time per op,
+per step) of decode steps and of a packed trainer forward+backward, a cProfile table of the decode
+steps' Python functions (own and cumulative time per step), and the RL update's time (32
+generations: packing, logprobs, loss, backward, optimizer step).
 
   python bench/profile_steps.py <Megatron model flags> --flash-attention-version 4 \
       --bench-output results/profile_dense16_h200.json
@@ -197,6 +197,7 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
         result = {
             "generate_s": sum(step_times),
             "engine_steps": step_time_summary(step_times),
+            "engine_steps_unsynchronized": step_time_summary(paced_times),
             "prefill_ms": step_times[0] * 1e3,
             "decode_step_ms_median": decode_s * 1e3,
             "decode_interval_ms_median": statistics.median(paced_times[1:]) * 1e3,

@@ -80,6 +80,8 @@ def summarize(profile: dict) -> dict:
         "rl_update_s": {"bi": bi["rl_update_s"], "default": default["rl_update_s"]},
         "generate_s": {"bi": bi["generate_s"], "default": default["generate_s"]},
         "engine_steps": {"bi": bi.get("engine_steps"), "default": default.get("engine_steps")},
+        "engine_steps_unsynchronized": {"bi": bi.get("engine_steps_unsynchronized"),
+                                        "default": default.get("engine_steps_unsynchronized")},
         "parity_max_bi": bi["parity_max"],
     }
 
