@@ -68,16 +68,18 @@ class EngineStepHook:
     sees, with whatever host work of one step overlaps GPU work of the one before. A profiler,
     when given, runs over the decode steps only: from the first step after every request was
     admitted (no prompt is left waiting, so no step after it prefills); `profiled_steps` counts
-    them."""
+    them. Steps outside `run` (the bench's rollouts) pass through unrecorded."""
 
     def __init__(self, engine):
         self.engine, self.step = engine, engine.step_modern
         self.times: list[float] = []
         self.profiler, self.synchronize, self.last_return = None, True, 0.0
-        self.profiled_steps = 0
+        self.profiled_steps, self.recording = 0, False
         engine.step_modern = self
 
     def __call__(self, *args, **kwargs):
+        if not self.recording:
+            return self.step(*args, **kwargs)
         if self.profiler is not None and (self.profiled_steps or self.prompts_admitted()):
             if not self.profiled_steps:
                 self.profiler.start()
@@ -98,8 +100,11 @@ class EngineStepHook:
 
     def run(self, work: Workload, new_tokens: int, profiler=None, synchronize: bool = True) -> list[float]:
         self.times, self.profiler, self.synchronize = [], profiler, synchronize
-        self.profiled_steps, self.last_return = 0, time.perf_counter()
-        work.generate(new_tokens)
+        self.profiled_steps, self.last_return, self.recording = 0, time.perf_counter(), True
+        try:
+            work.generate(new_tokens)
+        finally:
+            self.recording = False
         if profiler is not None:
             if not self.profiled_steps:
                 raise RuntimeError(f"no decode step ran after every prompt was admitted in {len(self.times)} "

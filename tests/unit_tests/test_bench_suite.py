@@ -83,13 +83,15 @@ class _FakeWork:
 
 def test_unsynchronized_hook_records_the_time_between_step_returns():
     profile_steps = _module("bench/profile_steps.py")
-    engine = _FakeEngine([0.05, 0.01, 0.02])
+    engine = _FakeEngine([0.05, 0.01, 0.02, 0.0])
     hook = profile_steps.EngineStepHook(engine)
     times = hook.run(_FakeWork(engine), 3, synchronize=False)
     assert engine.steps == 3 and len(times) == 3
     # each interval covers its step's sleep, and the three add up to the generation's time
     assert all(t >= s for t, s in zip(times, [0.05, 0.01, 0.02]))
     assert times[0] < 0.05 + 0.04 and sum(times) < 0.08 + 0.04
+    engine.step_modern()  # a step outside run (the bench's rollouts) is not one of the run's
+    assert engine.steps == 4 and len(times) == 3
 
 
 def test_hook_profiles_only_steps_after_every_prompt_is_admitted():
