@@ -7,12 +7,14 @@ default on the same weights, each run checking its own BI parity) and the GEMM t
   python bench/suite.py --table results/bench_h200.json    # the README's table, from the file
 
 The record runs the engine with its decode CUDA graphs, as a user should; without
---extra-flags the engine is eager (results/bench_eager_h200.json).
+--extra-flags the engine is eager (results/bench_eager_h200.json). --rounds N repeats each
+model, alternating which mode runs first, and reports the medians.
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--extra-flags", default="",
                         help="added to every model's flags, e.g. '--cuda-graph-impl local "
                              "--inference-cuda-graph-scope block --decode-only-cuda-graphs'")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each model, BI first in even rounds and default first in odd ones; "
+                             "the ratios and times are the rounds' medians")
     parser.add_argument("--skip-gemm", action="store_true",
                         help="leave out bench/gemm.py (its table does not depend on --extra-flags)")
     return parser
@@ -86,6 +91,24 @@ def summarize(profile: dict) -> dict:
     }
 
 
+def summarize_rounds(profiles: list[dict]) -> dict:
+    """The rounds' summaries in one: each number, and each mode's raw time, is its median over the
+    rounds (BI's parity its maximum); the step summaries are the first round's; each round's
+    numbers are kept under "rounds"."""
+    summaries = [summarize(profile) for profile in profiles]
+    summary = dict(summaries[0])
+    for key, first in summaries[0].items():
+        values = [s[key] for s in summaries]
+        if key == "parity_max_bi":
+            summary[key] = max(values)
+        elif isinstance(first, float | int):
+            summary[key] = statistics.median(values)
+        elif isinstance(first, dict) and all(isinstance(v, float | int) for v in first.values()):
+            summary[key] = {mode: statistics.median(v[mode] for v in values) for mode in first}
+    summary["rounds"] = [{k: v for k, v in s.items() if isinstance(v, float | int)} for s in summaries]
+    return summary
+
+
 def headline(models: dict) -> dict:
     """The keys issue 10 names: trainer_ratio_dense, ..., decode_ms_hybrid_bi, per model run."""
     keys = {}
@@ -115,8 +138,10 @@ def markdown_table(report: dict) -> str:
                      f"| {m['generation_ratio']:.2f}x | {m['decode_ms_bi']:.2f} / {m['decode_ms_default']:.2f} ms "
                      f"| {interval} | {m['decode_roofline_fraction_bi']:.1%} |")
     flags = report.get("extra_flags") or "none"
+    rounds = report.get("rounds", 1)
+    medians = f", medians of {rounds} rounds" if rounds > 1 else ""
     lines.append(f"\nBI time / default time, {report['device']}, commit {report['git_commit'][:7]}, "
-                 f"extra flags: {flags}.")
+                 f"extra flags: {flags}{medians}.")
     return "\n".join(lines)
 
 
@@ -154,18 +179,23 @@ def main() -> None:
     workdir = tempfile.mkdtemp(prefix="bench_suite_")
     failures, models, profiles = [], {}, {}
     for name in args.models:
-        profile, code = _run("profile_steps.py", COMMON + MODELS[name] + args.extra_flags.split(),
-                             "--bench-output", os.path.join(workdir, f"{name}.json"))
-        if code:
-            failures.append(f"{name}: exit {code}")
-        if profile is not None:
-            profiles[name], models[name] = profile, summarize(profile)
+        rounds = []
+        for index in range(args.rounds):
+            order = ["--bench-default-first"] if index % 2 else []
+            profile, code = _run("profile_steps.py", COMMON + MODELS[name] + order + args.extra_flags.split(),
+                                 "--bench-output", os.path.join(workdir, f"{name}_{index}.json"))
+            if code:
+                failures.append(f"{name} round {index}: exit {code}")
+            if profile is not None:
+                rounds.append(profile)
+        if rounds:
+            profiles[name], models[name] = rounds[0], summarize_rounds(rounds)
     gemm = None
     if not args.skip_gemm:
         gemm, code = _run("gemm.py", [], "--output", os.path.join(workdir, "gemm.json"))
         if code:
             failures.append(f"gemm: exit {code}")
-    report = {**provenance(), "extra_flags": args.extra_flags, "models": models,
+    report = {**provenance(), "extra_flags": args.extra_flags, "rounds": args.rounds, "models": models,
               "gemm": gemm and gemm["shapes"], "profiles": profiles, "failures": failures}
     report.update(headline(models))
     with open(args.output, "w") as f:

@@ -30,6 +30,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--bench-requests", type=int, default=32)
     group.add_argument("--bench-new-tokens", type=int, default=128)
     group.add_argument("--bench-vocab-size", type=int, default=32000)
+    group.add_argument("--bench-default-first", action="store_true",
+                       help="measure default mode before BI mode (bench/suite.py --rounds alternates the "
+                            "order, so a machine's drift does not fall on one mode)")
     parser.set_defaults(lr=1e-6)  # the optimizer needs one; the update's speed does not depend on it
     return parser
 
@@ -89,18 +92,21 @@ def build_workload(args: argparse.Namespace, weights: dict | None = None) -> Wor
 
 def run_in_both_modes(extra_args_provider, measure: Callable) -> tuple[argparse.Namespace, dict]:
     """Parses the flags, then `measure(args, batch_invariant, weights) -> (result, weights)` in
-    BI mode and in default mode on the BI run's weights (each result holds `parity_max`); the
-    report (provenance, config, both results) and the flags."""
+    BI mode and in default mode (BI first unless --bench-default-first), the second on the first's
+    weights (each result holds `parity_max`); the report (provenance, config, both results) and
+    the flags."""
     args = parse_args(extra_args_provider=extra_args_provider)
     validate_batch_invariance(args, batch_invariant=True)
     initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
-    bi_result, weights = measure(args, True, None)
-    torch.cuda.empty_cache()  # the BI model and its engine are gone with measure's frame
-    default_result, _ = measure(args, False, weights)
+    first, second = (False, True) if args.bench_default_first else (True, False)
+    results = {}
+    results[first], weights = measure(args, first, None)
+    torch.cuda.empty_cache()  # the first model and its engine are gone with measure's frame
+    results[second], _ = measure(args, second, weights)
     config = {k: str(v) for k, v in vars(args).items()
               if k.startswith(("bench_", "hidden", "num_layers", "num_attention", "num_query", "ffn",
                                "hybrid", "cuda_graph", "inference_cuda_graph"))}
-    return args, {**provenance(), "config": config, "bi": bi_result, "default": default_result}
+    return args, {**provenance(), "config": config, "bi": results[True], "default": results[False]}
 
 
 def check_bi_parity(report: dict) -> None:

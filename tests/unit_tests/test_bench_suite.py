@@ -38,11 +38,23 @@ def test_ratios_and_headline_keys():
         "decode_roofline_fraction_dense_bi": 0.02}
 
 
+def test_rounds_take_medians_and_the_worst_parity():
+    rounds = [{"bi": {**MODE, "train_fwd_bwd_s": t, "parity_max": parity}, "default": MODE}
+              for t, parity in ((1.5, 0.0), (3.0, 0.25), (1.1, 0.0))]
+    summary = suite.summarize_rounds(rounds)
+    assert summary["trainer_ratio"] == 1.5  # the median of 1.5, 3.0 and 1.1
+    assert summary["train_fwd_bwd_s"] == {"bi": 1.5, "default": 1.0}
+    assert summary["parity_max_bi"] == 0.25
+    assert [r["trainer_ratio"] for r in summary["rounds"]] == [1.5, 3.0, 1.1]
+    assert suite.summarize_rounds(rounds[:1]) == {**suite.summarize(rounds[0]), "rounds": [
+        {k: v for k, v in suite.summarize(rounds[0]).items() if isinstance(v, float)}]}
+
+
 @pytest.mark.parametrize("name", sorted(suite.MODELS))
 def test_every_models_flags_parse(name):
     profile_steps = _module("bench/profile_steps.py")
     args = build_parser(profile_steps.add_profile_args).parse_args(suite.COMMON + suite.MODELS[name])
-    assert args.hidden_size == 2048 and args.flash_attention_version == 4
+    assert args.hidden_size == 2048 and args.flash_attention_version == 4 and not args.bench_default_first
 
 
 def test_markdown_table_from_a_report():
@@ -52,6 +64,8 @@ def test_markdown_table_from_a_report():
     assert suite.markdown_table(report).splitlines()[2] == (
         "| dense16 | 1.50x | 1.00x | 1.00x | 30.00 / 30.00 ms | 25.00 / 25.00 ms | 2.0% |")
     assert "commit 0123456, extra flags: none." in suite.markdown_table(report)
+    report["rounds"] = 3
+    assert "extra flags: none, medians of 3 rounds." in suite.markdown_table(report)
 
 
 def test_markdown_table_of_a_file_without_decode_intervals():
