@@ -160,30 +160,39 @@ def fa4_hopper_without_split_kv() -> None:
     attention.flash_attn4_varlen_func = varlen
 
 
+def _single_bucket(context, rows: int):
+    """The one (temperature, top-k, top-p) of all `rows` active requests, or None when they
+    differ or the rows are not the active requests."""
+    active = context.total_request_count - context.paused_request_count
+    metadata = context.active_request_metadata
+    buckets = set(zip(*(metadata[key][:active].tolist() for key in ("temperature", "top_k", "top_p"))))
+    return next(iter(buckets)) if len(buckets) == 1 and rows == active else None
+
+
 def single_bucket_sampling_without_sync() -> None:
     """megatron-core 0.19.2's torch sampler builds each (temperature, top-k, top-p) bucket's rows
-    with `torch.tensor(list, device=cuda)`, a blocking copy: at every decode step the host waits
+    with `torch.tensor(list, device=cuda)`, a blocking copy, in `sample_kernel` and again in
+    `log_probs_kernel` (processed logprobs, temperature != 1): at every decode step the host waits
     there for the forward that made the logits, which also undoes async scheduling's overlap of
     host bookkeeping with the next forward. When every active request is in one bucket (a
     `Generator.generate` call has one Sampling) the rows are 0..n-1: they are sampled from
     `logits[:n]` (or the gathered rows) directly, the same values and the same generator draw, so
-    the same tokens, without the wait. Other cases go to megatron-core's. Idempotent. Remove once
-    upstream builds the indices without a sync."""
+    the same tokens, and their log-probs are the log-softmax of the same filtered rows, without
+    the wait. Other cases go to megatron-core's. Idempotent. Remove once upstream builds the
+    indices without a sync."""
     from megatron.core.inference.sampling.torch_sampling import TorchSampling
 
-    upstream = TorchSampling.sample_kernel
-    if hasattr(upstream, "upstream"):
+    upstream_sample, upstream_log_probs = TorchSampling.sample_kernel, TorchSampling.log_probs_kernel
+    if hasattr(upstream_sample, "upstream"):
         return
 
     def sample_kernel(self, logits, n, context, *, gather_indices=None, token_to_request_index=None,
                       output=None, **kwargs):
-        active = context.total_request_count - context.paused_request_count
-        metadata = context.active_request_metadata
-        buckets = set(zip(*(metadata[key][:active].tolist() for key in ("temperature", "top_k", "top_p"))))
-        if len(buckets) != 1 or n != active or token_to_request_index is not None:
-            return upstream(self, logits, n, context, gather_indices=gather_indices,
-                            token_to_request_index=token_to_request_index, output=output, **kwargs)
-        (temperature, top_k, top_p), = buckets
+        bucket = _single_bucket(context, n)
+        if bucket is None or token_to_request_index is not None:
+            return upstream_sample(self, logits, n, context, gather_indices=gather_indices,
+                                   token_to_request_index=token_to_request_index, output=output, **kwargs)
+        temperature, top_k, top_p = bucket
         rows = logits[gather_indices[:n], :] if gather_indices is not None else logits[:n]
         tokens = TorchSampling.sample_from_logits(rows, temperature, top_k, top_p, generator=self._rng,
                                                   vocab_size=self._vocab_size)
@@ -191,5 +200,15 @@ def single_bucket_sampling_without_sync() -> None:
             return tokens
         return output.copy_(tokens)
 
-    sample_kernel.upstream = upstream  # megatron-core's, for the GPU test that compares them
-    TorchSampling.sample_kernel = sample_kernel
+    def log_probs_kernel(self, logits, context, *, token_to_request_index=None):
+        bucket = _single_bucket(context, logits.shape[0])
+        if bucket is None or token_to_request_index is not None:
+            return upstream_log_probs(self, logits, context, token_to_request_index=token_to_request_index)
+        temperature, top_k, top_p = bucket
+        filtered = TorchSampling.filter_logits(logits, float(temperature), int(top_k), float(top_p),
+                                               vocab_size=self._vocab_size)
+        return torch.log_softmax(filtered, dim=-1)
+
+    # megatron-core's kernels, for the GPU tests that compare them
+    sample_kernel.upstream, log_probs_kernel.upstream = upstream_sample, upstream_log_probs
+    TorchSampling.sample_kernel, TorchSampling.log_probs_kernel = sample_kernel, log_probs_kernel

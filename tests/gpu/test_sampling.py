@@ -1,5 +1,6 @@
 """compat.single_bucket_sampling_without_sync on the GPU: the same tokens as megatron-core's torch
-sampler (same logits, same generator seed), with and without gathered rows."""
+sampler (same logits, same generator seed), with and without gathered rows, and the same
+processed log-probs as its log-probs kernel."""
 
 from types import SimpleNamespace
 
@@ -34,3 +35,17 @@ def test_same_tokens_as_megatron_cores_sampler(temperature, gathered):
             kernel(sampler, logits, n, context, no_top_k=True, no_top_p=True, gather_indices=gather, output=output)
             tokens.append(output.clone())
     assert all(torch.equal(a, b) for a, b in zip(tokens[:3], tokens[3:]))
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_same_log_probs_as_megatron_cores_kernel(temperature):
+    compat.single_bucket_sampling_without_sync()
+    ours, upstream = TorchSampling.log_probs_kernel, TorchSampling.log_probs_kernel.upstream
+    n = 32
+    context = SimpleNamespace(total_request_count=n, paused_request_count=0, active_request_metadata={
+        "temperature": torch.full((64,), temperature), "top_k": torch.zeros(64, dtype=torch.int64),
+        "top_p": torch.zeros(64)})
+    torch.manual_seed(0)
+    logits = torch.randn(n, VOCAB, device="cuda")
+    sampler = TorchSampling(torch.Generator(device="cuda").manual_seed(5), VOCAB)
+    assert torch.equal(ours(sampler, logits, context), upstream(sampler, logits, context))
