@@ -13,6 +13,14 @@ from megatron_rl_bi import compat
 pytestmark = pytest.mark.gpu
 
 VOCAB = 151936
+N = 32  # active requests
+
+
+def _one_bucket_context(temperature):
+    """A context whose N active requests all sample at `temperature` (no top-k, no top-p)."""
+    return SimpleNamespace(total_request_count=N, paused_request_count=0, active_request_metadata={
+        "temperature": torch.full((64,), temperature), "top_k": torch.zeros(64, dtype=torch.int64),
+        "top_p": torch.zeros(64)})
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -20,19 +28,16 @@ VOCAB = 151936
 def test_same_tokens_as_megatron_cores_sampler(temperature, gathered):
     compat.single_bucket_sampling_without_sync()
     ours, upstream = TorchSampling.sample_kernel, TorchSampling.sample_kernel.upstream
-    n = 32
-    context = SimpleNamespace(total_request_count=n, paused_request_count=0, active_request_metadata={
-        "temperature": torch.full((64,), temperature), "top_k": torch.zeros(64, dtype=torch.int64),
-        "top_p": torch.zeros(64)})
+    context = _one_bucket_context(temperature)
     torch.manual_seed(0)
     logits = torch.randn(48, VOCAB, device="cuda")
-    gather = torch.randint(0, 48, (n,), device="cuda") if gathered else None
+    gather = torch.randint(0, 48, (N,), device="cuda") if gathered else None
     tokens = []
     for kernel in (ours, upstream):
         sampler = TorchSampling(torch.Generator(device="cuda").manual_seed(5), VOCAB)
-        output = torch.empty(n, dtype=torch.int64, device="cuda")
+        output = torch.empty(N, dtype=torch.int64, device="cuda")
         for _ in range(3):  # the generator's later draws agree too
-            kernel(sampler, logits, n, context, no_top_k=True, no_top_p=True, gather_indices=gather, output=output)
+            kernel(sampler, logits, N, context, no_top_k=True, no_top_p=True, gather_indices=gather, output=output)
             tokens.append(output.clone())
     assert all(torch.equal(a, b) for a, b in zip(tokens[:3], tokens[3:]))
 
@@ -41,11 +46,8 @@ def test_same_tokens_as_megatron_cores_sampler(temperature, gathered):
 def test_same_log_probs_as_megatron_cores_kernel(temperature):
     compat.single_bucket_sampling_without_sync()
     ours, upstream = TorchSampling.log_probs_kernel, TorchSampling.log_probs_kernel.upstream
-    n = 32
-    context = SimpleNamespace(total_request_count=n, paused_request_count=0, active_request_metadata={
-        "temperature": torch.full((64,), temperature), "top_k": torch.zeros(64, dtype=torch.int64),
-        "top_p": torch.zeros(64)})
+    context = _one_bucket_context(temperature)
     torch.manual_seed(0)
-    logits = torch.randn(n, VOCAB, device="cuda")
+    logits = torch.randn(N, VOCAB, device="cuda")
     sampler = TorchSampling(torch.Generator(device="cuda").manual_seed(5), VOCAB)
     assert torch.equal(ours(sampler, logits, context), upstream(sampler, logits, context))
