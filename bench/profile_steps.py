@@ -1,11 +1,12 @@
-"""Where the time goes, in BI and in default mode on the same weights: the wall time of every engine
-step of a generation (the first is the prefill, the rest decode steps; their sum is the
-generation's time), the same steps left unsynchronized (the time between one step's return and the
-next's, as a caller's loop sees it; their sum is the generation's time as it sees it), the decode
-step as a fraction of the HBM roofline, torch-profiler tables (self CPU and self GPU time per op,
-per step) of decode steps and of a packed trainer forward+backward, a cProfile table of the decode
-steps' Python functions (own and cumulative time per step), and the RL update's time (32
-generations: packing, logprobs, loss, backward, optimizer step).
+"""Where the time goes, in BI and in default mode on the same weights: the generation's time as a
+caller sees it (the median wall time of three unsynchronized generations, the GPU done at the end),
+the wall time of every engine step of a generation timed alone (synchronized; the first is the
+prefill, the rest decode steps), the same steps unsynchronized (the time between one step's return
+and the next's, the pace a caller's loop sees, with whatever host work async scheduling overlaps),
+the decode step as a fraction of the HBM roofline, torch-profiler tables (self CPU and self GPU
+time per op, per step) of decode steps and of a packed trainer forward+backward, a cProfile table
+of the decode steps' Python functions (own and cumulative time per step), and the RL update's time
+(32 generations: packing, logprobs, loss, backward, optimizer step).
 
   python bench/profile_steps.py <Megatron model flags> --flash-attention-version 4 \
       --bench-output results/profile_dense16_h200.json
@@ -38,6 +39,7 @@ from megatron_rl_bi.models.build import cpu_state_dict  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12  # H200
 PROFILED_NEW_TOKENS = 10  # the torch profiler's generation: 8-9 decode steps once the prompts are in
+TIMED_GENERATIONS = 3  # the generation time is their median: one host hiccup moves a single run
 
 
 def add_profile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -158,6 +160,19 @@ def step_time_summary(step_times: list[float]) -> dict:
             "slowest": [[i, step_times[i] * 1e3] for i in slowest]}
 
 
+def caller_generations(hook: EngineStepHook, work: Workload, new_tokens: int) -> tuple[float, list[list[float]]]:
+    """TIMED_GENERATIONS unsynchronized generations, as a caller runs them: their median wall time
+    (from the GPU idle to the GPU done) and each one's step intervals."""
+    walls, intervals = [], []
+    for _ in range(TIMED_GENERATIONS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        intervals.append(hook.run(work, new_tokens, synchronize=False))
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - start)
+    return statistics.median(walls), intervals
+
+
 def decode_bytes(args, work: Workload, new_tokens: int) -> float:
     """HBM bytes one decode step must read: the weights (less the input embedding, of which a
     step reads a row per request, when untied), the attention KV cache at the mean context, and
@@ -186,7 +201,7 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
         hook.run(work, args.bench_new_tokens)  # warm-up
         step_times = hook.run(work, args.bench_new_tokens)
         decode_s = statistics.median(step_times[1:])
-        paced_times = hook.run(work, args.bench_new_tokens, synchronize=False)
+        generate_s, paced_runs = caller_generations(hook, work, args.bench_new_tokens)
         activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
         train_s = seconds(work.train_step, 3)
         rollouts = work.rollouts(args.bench_new_tokens)
@@ -200,12 +215,12 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
         python_profile = PythonProfiler()
         hook.run(work, args.bench_new_tokens, python_profile, synchronize=False)
         result = {
-            "generate_s": sum(step_times),
+            "generate_s": generate_s,
             "engine_steps": step_time_summary(step_times),
-            "engine_steps_unsynchronized": step_time_summary(paced_times),
+            "engine_steps_unsynchronized": step_time_summary(paced_runs[0]),
             "prefill_ms": step_times[0] * 1e3,
             "decode_step_ms_median": decode_s * 1e3,
-            "decode_interval_ms_median": statistics.median(paced_times[1:]) * 1e3,
+            "decode_interval_ms_median": statistics.median(t for run in paced_runs for t in run[1:]) * 1e3,
             "decode_tokens_per_s": len(work.prompts) / decode_s,
             "decode_hbm_roofline_fraction": decode_bytes(args, work, args.bench_new_tokens)
             / decode_s / HBM_BYTES_PER_S,

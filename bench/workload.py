@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
 
 from megatron_rl_bi.config import parse_args, validate_batch_invariance
 from megatron_rl_bi.config.from_args import engine_config_from_args
@@ -101,7 +102,9 @@ def run_in_both_modes(extra_args_provider, measure: Callable) -> tuple[argparse.
     first, second = (False, True) if args.bench_default_first else (True, False)
     results = {}
     results[first], weights = measure(args, first, None)
-    torch.cuda.empty_cache()  # the first model and its engine are gone with measure's frame
+    # megatron-core's global graph record keeps the first engine's graph runners, and through them
+    # its model, alive past measure's frame: release them so the second mode runs in a clean process.
+    delete_cuda_graphs()
     results[second], _ = measure(args, second, weights)
     config = {k: str(v) for k, v in vars(args).items()
               if k.startswith(("bench_", "hidden", "num_layers", "num_attention", "num_query", "ffn",

@@ -108,6 +108,17 @@ def test_unsynchronized_hook_records_the_time_between_step_returns():
     assert engine.steps == 4 and len(times) == 3
 
 
+def test_caller_generations_take_the_median_wall_time(monkeypatch):
+    profile_steps = _module("bench/profile_steps.py")
+    monkeypatch.setattr(profile_steps.torch.cuda, "synchronize", lambda: None)
+    engine = _FakeEngine([0.02, 0.0, 0.08, 0.0, 0.04, 0.0])  # three generations of two steps
+    hook = profile_steps.EngineStepHook(engine)
+    generate_s, intervals = profile_steps.caller_generations(hook, _FakeWork(engine), 2)
+    assert [len(run) for run in intervals] == [2, 2, 2] and engine.steps == 6
+    assert 0.04 <= generate_s < 0.08  # the middle one: the 0.08 s run does not move it
+    assert intervals[1][0] >= 0.08
+
+
 def test_hook_profiles_only_steps_after_every_prompt_is_admitted():
     profile_steps = _module("bench/profile_steps.py")
     engine = _FakeEngine([0.0] * 5)
