@@ -2,13 +2,15 @@
 default on the same weights, each run checking its own BI parity) and the GEMM table
 (bench/gemm.py), gathered into one JSON with provenance and one PNG.
 
-  python bench/suite.py --output results/bench_h200.json \
-      --extra-flags "--cuda-graph-impl local --inference-cuda-graph-scope block --decode-only-cuda-graphs"
+  python bench/suite.py --rounds 3 --output results/bench_h200.json \
+      --extra-flags "--cuda-graph-impl local --inference-cuda-graph-scope block --decode-only-cuda-graphs \
+                     --inference-dynamic-batching-async-sched-mode async"
   python bench/suite.py --table results/bench_h200.json    # the README's table, from the file
 
-The record runs the engine with its decode CUDA graphs, as a user should; without
---extra-flags the engine is eager (results/bench_eager_h200.json). --rounds N repeats each
-model, alternating which mode runs first, and reports the medians.
+The record runs the engine with its decode CUDA graphs and async scheduling, as a user should;
+without --extra-flags the engine is eager (results/bench_eager_h200.json). --rounds N repeats
+each model, alternating which mode runs first, and reports the medians: a decode step is
+host-bound, and one process's host can run it slower than the next one's (results/README.md).
 """
 
 import argparse
