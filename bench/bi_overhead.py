@@ -56,5 +56,6 @@ def main() -> None:
     write_report(report, report["ratios_bi_over_default"], args.bench_output)
     check_bi_parity(report)
 
+
 if __name__ == "__main__":
     main()

@@ -83,7 +83,6 @@ def test_installed_kernels_are_checked_in_default_mode(monkeypatch):
         validate_installed_kernels(args)
 
 
-
 @pytest.fixture
 def fa3_without_head_dim_256(monkeypatch):
     """An installed FA3 wheel built with FLASHATTENTION_DISABLE_HDIM256 (as the H200 kit builds it)."""
@@ -114,6 +113,7 @@ def test_fa3_built_without_the_models_head_dim(fa3_without_head_dim_256):
     with pytest.raises(ValueError, match="built without head dim 256 .FLASHATTENTION_DISABLE_HDIM256., "
                                          "which this model's head dim 256 needs"):
         validate_installed_kernels(args)
+
 
 def test_layernorm_with_bi():
     message = errors_for(
