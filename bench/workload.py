@@ -103,7 +103,7 @@ def run_in_both_modes(extra_args_provider, measure: Callable) -> tuple[argparse.
     results = {}
     results[first], weights = measure(args, first, None)
     # megatron-core's global graph record keeps the first engine's graph runners, and through them
-    # its model, alive past measure's frame: release them so the second mode runs in a clean process.
+    # its model, alive past measure's frame: release them before the second mode builds its own.
     delete_cuda_graphs()
     results[second], _ = measure(args, second, weights)
     config = {k: str(v) for k, v in vars(args).items()
