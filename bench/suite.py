@@ -14,6 +14,7 @@ host-bound, and one process's host can run it slower than the next one's (result
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -162,11 +163,12 @@ def plot(models: dict, path: str) -> None:
     ratio_ax.set_xticks(range(len(names)), names)
     ratio_ax.set_ylabel("BI time / default time")
     ratio_ax.legend()
-    for offset, mode in ((-0.2, "bi"), (0.2, "default")):
+    bars = [("decode_ms", "step"), ("decode_interval_ms", "interval")]
+    for offset, ((key, what), mode) in zip((-0.3, -0.1, 0.1, 0.3), itertools.product(bars, ("bi", "default"))):
         decode_ax.bar([i + offset for i in range(len(names))],
-                      [models[n][f"decode_ms_{mode}"] for n in names], width=0.4, label=mode)
+                      [models[n][f"{key}_{mode}"] for n in names], width=0.2, label=f"{what}, {mode}")
     decode_ax.set_xticks(range(len(names)), names)
-    decode_ax.set_ylabel("decode step, 32 requests (ms)")
+    decode_ax.set_ylabel("decode, 32 requests (ms): step alone, interval")
     decode_ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
