@@ -44,6 +44,7 @@ def _known_flags() -> set[str]:
 
     parsers = [build_parser(ours), build_parser(_module("bench/profile_steps.py").add_profile_args),
                _module("bench/gdn_rule.py").build_parser(), _module("bench/gemm.py").build_parser(),
+               _module("bench/decode_tail.py").build_parser(),
                _module("bench/suite.py").build_parser(),
                _module("tools/plot_metrics.py").build_parser()]
     return {flag for parser in parsers for action in parser._actions for flag in action.option_strings}
