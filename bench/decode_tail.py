@@ -62,7 +62,7 @@ def variants(vocab: int) -> dict:
     hidden = torch.randn(REQUESTS, HIDDEN, device="cuda", dtype=torch.bfloat16)
     weight_t = torch.randn(vocab, HIDDEN, device="cuda", dtype=torch.bfloat16).T
     logits = torch.randn(REQUESTS, vocab, device="cuda", dtype=torch.float32)
-    split_parts = -(-4 * gemm.streaming_multiprocessors(logits.device) // REQUESTS)
+    split_parts = log_softmax.programs_per_row(REQUESTS, gemm.streaming_multiprocessors(logits.device))
     return {
         "lm_head default (cuBLAS)": (False, lambda: torch.mm(hidden, weight_t)),
         "lm_head BI mode": (True, lambda: torch.mm(hidden, weight_t)),

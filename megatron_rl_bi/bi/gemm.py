@@ -18,6 +18,7 @@ tensors TMA cannot describe (a 16-byte-misaligned base or stride, the output's i
 multiple of 8 in bf16), go to megatron-core's kernel too.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +118,7 @@ def _tma_view(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     return (view, column_major) if aligned else None
 
 
+@functools.cache  # asked at every BI GEMM and log-softmax launch; torch's lookup costs host time
 def streaming_multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

@@ -9,7 +9,8 @@ exp(x - max) reduced as megatron-core reduces it (same block, same expression, s
 those block sums added one at a time in block order, as its loop adds them. Only the schedule
 changes, so the bits are megatron-core's (tests/gpu/test_bi_kernels.py); many rows (the
 trainer's chunks, a prefill's prompt tokens) keep megatron-core's kernel, which fills the GPU
-with one program a row.
+with one program a row, and so do short rows, where its one launch costs the host less than the
+split's three save the GPU.
 """
 
 import torch
@@ -22,6 +23,11 @@ from megatron_rl_bi.bi.gemm import streaming_multiprocessors
 MCORE_LOG_SOFTMAX = _mcore_bik.log_softmax
 BLOCK_SIZE = 1024  # megatron-core's block
 NUM_WARPS = 4  # megatron-core's launch (Triton's default): the same reduction tree in a block
+# Rows of up to this many blocks keep megatron-core's one launch. On the H200 at 32 rows
+# (bench/decode_tail.py, results/bench_decode_tail_h200.json) its GPU time grows ~1.2 us a block
+# (25 us at 32 blocks, 168 us at 149) while the split runs in 10-23 us, and the split's two extra
+# launches cost the host 45-57 us: they pay off from ~60 blocks a row.
+MAX_UNSPLIT_BLOCKS = 64
 
 
 @triton.jit
@@ -100,15 +106,29 @@ def split_rows_log_softmax(x: torch.Tensor, parts: int) -> torch.Tensor:
     return out
 
 
+def programs_per_row(rows: int, sms: int) -> int:
+    """~4 programs an SM: a program waits on each block's reduction, so latency bounds it, not
+    bandwidth."""
+    return triton.cdiv(4 * sms, rows)
+
+
+def split_parts(rows: int, cols: int, sms: int) -> int:
+    """Programs per row for a [rows, cols] log-softmax on `sms` SMs: 1 (megatron-core's kernel)
+    for as many rows as SMs or for rows of at most MAX_UNSPLIT_BLOCKS blocks, else
+    `programs_per_row`."""
+    if rows >= sms or triton.cdiv(cols, BLOCK_SIZE) <= MAX_UNSPLIT_BLOCKS:
+        return 1
+    return programs_per_row(rows, sms)
+
+
 def log_softmax(input: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """megatron-core's `log_softmax(input, dim)` (its aten::_log_softmax override calls it): fp32
-    CUDA input with fewer rows than the GPU has SMs is split; the rest runs megatron-core's."""
+    CUDA input whose rows `split_parts` splits runs the split kernel, the rest megatron-core's."""
     if (dim not in (-1, input.dim() - 1) or input.dtype != torch.float32 or not input.is_cuda
             or input.dim() == 0 or input.numel() == 0):
         return MCORE_LOG_SOFTMAX(input, dim=dim)
-    x = input.reshape(-1, input.shape[-1]).contiguous()
-    sms = streaming_multiprocessors(x.device)
-    if x.shape[0] >= sms:
+    cols = input.shape[-1]
+    parts = split_parts(input.numel() // cols, cols, streaming_multiprocessors(input.device))
+    if parts == 1:
         return MCORE_LOG_SOFTMAX(input, dim=dim)
-    # ~4 programs an SM: a program waits on each block's reduction, so latency bounds it, not bandwidth
-    return split_rows_log_softmax(x, parts=triton.cdiv(4 * sms, x.shape[0])).reshape(input.shape)
+    return split_rows_log_softmax(input.reshape(-1, cols).contiguous(), parts).reshape(input.shape)

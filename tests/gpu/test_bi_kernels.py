@@ -70,8 +70,8 @@ def test_rms_norm_forward_and_backward_close_to_the_default_mode(zero_centered):
 
 @pytest.mark.parametrize("vocab", [151_936, 32_000, 4_097, 1_000])
 def test_split_log_softmax_has_megatron_cores_bits(vocab):
-    """A decode step's few rows run bi/log_softmax.py's split kernel, the trainer's many rows
-    megatron-core's: a token's logprob is the same either way only if the bits are."""
+    """A decode step's few long rows run bi/log_softmax.py's split kernel, the trainer's many rows
+    and short rows megatron-core's: a token's logprob is the same either way only if the bits are."""
     torch.manual_seed(0)
     x = torch.randn(131, vocab, device="cuda") * 8
     reference = log_softmax.MCORE_LOG_SOFTMAX(x)

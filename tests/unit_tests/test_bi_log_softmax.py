@@ -33,3 +33,16 @@ def test_what_is_not_split_goes_to_megatron_core(monkeypatch):
     log_softmax.log_softmax(torch.zeros(2, 8, dtype=torch.bfloat16))
     log_softmax.log_softmax(torch.zeros(2, 8), dim=0)
     assert calls == [(torch.float32, -1), (torch.bfloat16, -1), (torch.float32, 0)]
+
+
+def test_split_parts_by_row_count_and_length():
+    # 132 SMs (the H200). A decode step's 32 rows of a 151,936 vocabulary (149 blocks of 1024):
+    # ceil(4 * 132 / 32) = 17 programs a row; one row: 528; 131 rows: ceil(528 / 131) = 5.
+    assert log_softmax.split_parts(32, 151_936, 132) == 17
+    assert log_softmax.split_parts(1, 151_936, 132) == 528
+    assert log_softmax.split_parts(131, 151_936, 132) == 5
+    # As many rows as SMs, or rows of at most 64 blocks: megatron-core's kernel (one program a row).
+    assert log_softmax.split_parts(132, 151_936, 132) == 1
+    assert log_softmax.split_parts(32, 32_000, 132) == 1
+    assert log_softmax.split_parts(32, 65_536, 132) == 1
+    assert log_softmax.split_parts(32, 65_537, 132) == 17
