@@ -1,8 +1,9 @@
 """What a graphed decode step runs outside its graph, and what BI mode adds there: the LM head's
 product and the log-softmax of the log-probs at 32 requests, for the bench models' two vocabularies.
 Per call: the host's time to launch it (the GPU kept busy by a sleep kernel queued first, so no
-launch waits for the GPU) and the GPU's time (CUDA events around the same queued calls). Where the
-host paces a step (dense4), the host column is what BI costs; where the GPU does, the GPU column.
+launch waits for the GPU), the GPU's time (CUDA events around the same queued calls) and a cProfile
+table of the host's Python functions. Where the host paces a step (dense4), the host column is
+what BI costs; where the GPU does, the GPU column.
 
   python bench/decode_tail.py --output results/bench_decode_tail_h200.json
 """
@@ -16,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.report import write_report  # noqa: E402
+from bench.report import PythonProfiler, python_table, write_report  # noqa: E402
 
 from megatron_rl_bi import bi  # noqa: E402
 from megatron_rl_bi.bi import gemm, log_softmax  # noqa: E402
@@ -55,6 +56,17 @@ def host_and_gpu_us(fn, calls: int) -> dict:
             "gpu_busy_throughout": host_s * 1e3 < _sleep_ms()}
 
 
+def python_profile(fn, calls: int, rows: int = 10) -> list[dict]:
+    """Where a call's host time goes, by Python function (cProfile adds its own cost per call)."""
+    profiler = PythonProfiler()
+    profiler.start()
+    for _ in range(calls):
+        fn()
+    profiler.stop()
+    torch.cuda.synchronize()
+    return python_table(profiler, calls, rows)
+
+
 def variants(vocab: int) -> dict:
     """Each variant as (batch-invariant mode on, the call). Inputs as the engine has them: bf16
     hidden states times the transposed LM-head weight; fp32 logits."""
@@ -89,7 +101,7 @@ def main() -> None:
         for name, (batch_invariant, fn) in variants(vocab).items():
             with bi.batch_invariant(batch_invariant):
                 rows.append({"models": model, "vocab": vocab, "variant": name,
-                             **host_and_gpu_us(fn, args.calls)})
+                             **host_and_gpu_us(fn, args.calls), "python": python_profile(fn, args.calls)})
     summary = {f"{r['vocab']} {r['variant']}": f"host {r['host_us']:.1f} us, GPU {r['gpu_us']:.1f} us"
                + ("" if r["gpu_busy_throughout"] else " (GPU idle before the host was done)") for r in rows}
     write_report({**provenance(), "requests": REQUESTS, "hidden": HIDDEN, "calls": args.calls, "rows": rows},

@@ -13,9 +13,7 @@ of the decode steps' Python functions (own and cumulative time per step), and th
 """
 
 import argparse
-import cProfile
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -25,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.report import seconds, write_report  # noqa: E402
+from bench.report import PythonProfiler, python_table, seconds, write_report  # noqa: E402
 from bench.workload import (  # noqa: E402
     Workload,
     add_workload_args,
@@ -48,19 +46,6 @@ def add_profile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument("--bench-op-rows", type=int, default=25)
     group.add_argument("--bench-output", default=None)
     return parser
-
-
-class PythonProfiler:
-    """cProfile behind the torch profiler's start/stop, for EngineStepHook."""
-
-    def __init__(self):
-        self.profile = cProfile.Profile()
-
-    def start(self):
-        self.profile.enable()
-
-    def stop(self):
-        self.profile.disable()
 
 
 class EngineStepHook:
@@ -127,25 +112,6 @@ def op_table(profiler, per: int, rows: int) -> dict[str, list[dict]]:
     by = {"by_self_cpu": "self_cpu_time_total", "by_self_gpu": "self_device_time_total"}
     return {name: [row(e) for e in sorted(events, key=lambda e: getattr(e, key), reverse=True)[:rows]]
             for name, key in by.items()}
-
-
-def python_table(profiler: PythonProfiler, per: int, rows: int) -> list[dict]:
-    """The Python functions with the most own time (tottime), in ms per step (`per` steps ran),
-    with their cumulative time: where the host time of a step goes, below the op level."""
-    stats = pstats.Stats(profiler.profile).stats
-    top = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:rows]
-    return [{"function": f"{short_path(path)}:{line}({name})", "calls_per_step": calls / per,
-             "own_ms": own * 1e3 / per, "cumulative_ms": cumulative * 1e3 / per}
-            for (path, line, name), (_, calls, own, cumulative, _) in top]
-
-
-def short_path(path: str) -> str:
-    """An installed package's or this package's source path from the package down."""
-    if "site-packages/" in path:
-        return path.rsplit("site-packages/", 1)[1]
-    if "megatron_rl_bi/" in path:
-        return "megatron_rl_bi/" + path.rsplit("megatron_rl_bi/", 1)[1]
-    return path
 
 
 def step_time_summary(step_times: list[float]) -> dict:

@@ -1,7 +1,10 @@
-"""What every benchmark shares: the one timer, and the one way a report is shown and written."""
+"""What every benchmark shares: the timers, the Python profile table, and the one way a report is
+shown and written."""
 
+import cProfile
 import json
 import os
+import pstats
 import time
 
 import torch
@@ -37,6 +40,38 @@ def graphed_seconds(fn, repeats: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3 / repeats
+
+
+class PythonProfiler:
+    """cProfile behind the torch profiler's start/stop, so EngineStepHook takes either."""
+
+    def __init__(self):
+        self.profile = cProfile.Profile()
+
+    def start(self):
+        self.profile.enable()
+
+    def stop(self):
+        self.profile.disable()
+
+
+def python_table(profiler: PythonProfiler, per: int, rows: int) -> list[dict]:
+    """The Python functions with the most own time (tottime), in ms per step or call (`per` of them
+    ran), with their cumulative time: where the host time goes, below the op level."""
+    stats = pstats.Stats(profiler.profile).stats
+    top = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:rows]
+    return [{"function": f"{short_path(path)}:{line}({name})", "calls_per_step": calls / per,
+             "own_ms": own * 1e3 / per, "cumulative_ms": cumulative * 1e3 / per}
+            for (path, line, name), (_, calls, own, cumulative, _) in top]
+
+
+def short_path(path: str) -> str:
+    """An installed package's or this package's source path from the package down."""
+    if "site-packages/" in path:
+        return path.rsplit("site-packages/", 1)[1]
+    if "megatron_rl_bi/" in path:
+        return "megatron_rl_bi/" + path.rsplit("megatron_rl_bi/", 1)[1]
+    return path
 
 
 def write_report(report: dict, summary: dict, path: str | None) -> None:

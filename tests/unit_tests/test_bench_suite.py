@@ -20,6 +20,7 @@ def _module(relative_path):
 
 
 suite = _module("bench/suite.py")
+bench_report = _module("bench/report.py")
 MODE = {"train_fwd_bwd_s": 1.0, "rl_update_s": 2.0, "generate_s": 4.0, "decode_step_ms_median": 30.0,
         "decode_interval_ms_median": 25.0, "decode_hbm_roofline_fraction": 0.02, "parity_max": 0.0}
 
@@ -133,12 +134,12 @@ def test_hook_profiles_only_steps_after_every_prompt_is_admitted():
 
     engine.step_modern = admit_after_two_steps
     hook = profile_steps.EngineStepHook(engine)
-    profiler = profile_steps.PythonProfiler()
+    profiler = bench_report.PythonProfiler()
     hook.run(work, 5, profiler, synchronize=False)
     assert hook.profiled_steps == 3  # steps 3, 4, 5
     engine.steps, engine.waiting_request_ids = 0, [9]  # never admitted: nothing to profile
     with pytest.raises(RuntimeError, match="nothing was profiled"):
-        hook.run(work, 1, profile_steps.PythonProfiler(), synchronize=False)
+        hook.run(work, 1, bench_report.PythonProfiler(), synchronize=False)
 
 
 def _spin(seconds):
@@ -148,23 +149,21 @@ def _spin(seconds):
 
 
 def test_python_table_per_step():
-    profile_steps = _module("bench/profile_steps.py")
-    profiler = profile_steps.PythonProfiler()
+    profiler = bench_report.PythonProfiler()
     profiler.start()
     for _ in range(4):
         _spin(0.01)
     profiler.stop()
-    row = next(r for r in profile_steps.python_table(profiler, per=2, rows=5) if "(_spin)" in r["function"])
+    row = next(r for r in bench_report.python_table(profiler, per=2, rows=5) if "(_spin)" in r["function"])
     assert row["function"].endswith("test_bench_suite.py:" + str(_spin.__code__.co_firstlineno) + "(_spin)")
     assert row["calls_per_step"] == 2.0
     assert 20.0 <= row["cumulative_ms"] < 40.0  # two 10 ms spins a step
 
 
 def test_short_path():
-    profile_steps = _module("bench/profile_steps.py")
-    assert profile_steps.short_path("/x/lib/python3.12/site-packages/megatron/core/a.py") == "megatron/core/a.py"
-    assert profile_steps.short_path("/home/u/megatron_rl_bi/megatron_rl_bi/bi/gemm.py") == "megatron_rl_bi/bi/gemm.py"
-    assert profile_steps.short_path("/tmp/b.py") == "/tmp/b.py"
+    assert bench_report.short_path("/x/lib/python3.12/site-packages/megatron/core/a.py") == "megatron/core/a.py"
+    assert bench_report.short_path("/home/u/megatron_rl_bi/megatron_rl_bi/bi/gemm.py") == "megatron_rl_bi/bi/gemm.py"
+    assert bench_report.short_path("/tmp/b.py") == "/tmp/b.py"
 
 
 def test_step_time_summary_names_the_slow_steps():
