@@ -1,4 +1,4 @@
-"""GRPO/DAPO on a Megatron GPT model with megatron-core's DynamicInferenceEngine as the generator.
+r"""GRPO/DAPO on a Megatron GPT model with megatron-core's DynamicInferenceEngine as the generator.
 
   torchrun --nproc-per-node 1 pretrain_rl.py --recipe examples/recipes/tiny_sort.yaml \
       --batch-invariant-mode --flash-attention-version 4

@@ -1,4 +1,4 @@
-"""Cost of batch invariance on one GPU, as BI / default time ratios measured in one run: a packed
+r"""Cost of batch invariance on one GPU, as BI / default time ratios measured in one run: a packed
 trainer forward+backward, the RL update (with the optimizer) and an engine generation, on the
 model built from the Megatron flags given (e.g. the dense parity model of
 examples/parity_dense.sh).

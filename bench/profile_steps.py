@@ -1,4 +1,4 @@
-"""Where the time goes, in BI and in default mode on the same weights: the generation's time as a
+r"""Where the time goes, in BI and in default mode on the same weights: the generation's time as a
 caller sees it (the median wall time of three unsynchronized generations, the GPU done at the end),
 the wall time of every engine step of a generation timed alone (synchronized; the first is the
 prefill, the rest decode steps), the same steps unsynchronized (the time between one step's return

@@ -1,4 +1,4 @@
-"""The benchmark of record: the three models of issue 10 through bench/profile_steps.py (BI and
+r"""The benchmark of record: the three models of issue 10 through bench/profile_steps.py (BI and
 default on the same weights, each run checking its own BI parity) and the GEMM table
 (bench/gemm.py), gathered into one JSON with provenance and one PNG.
 

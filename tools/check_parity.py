@@ -1,4 +1,4 @@
-"""Engine vs trainer logprob parity for a model built from Megatron flags (dense GPT, or hybrid
+r"""Engine vs trainer logprob parity for a model built from Megatron flags (dense GPT, or hybrid
 GDN with --hybrid-layer-pattern); writes JSON.
 
   python tools/check_parity.py --flash-attention-version 4 --parity-modes bi default \

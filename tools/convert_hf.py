@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints <-> Megatron, through the same mapping `--hf-checkpoint` and
+r"""Hugging Face checkpoints <-> Megatron, through the same mapping `--hf-checkpoint` and
 `--save-hf` use (one GPU process; flags are pretrain_rl.py's, the model's from the checkpoint).
 
   # HF -> a Megatron torch_dist checkpoint, for --pretrained-checkpoint OUT

@@ -139,8 +139,13 @@ def load_recipe(path: str, parser: argparse.ArgumentParser) -> dict:
     """Recipe keys are flag names (`disable-bias-linear: true`, as on the command line) or
     argument destinations (`add_bias_linear: false`). Values are checked as the command line's
     are (type, choices); a switch set to false undoes a default or preset that set it."""
-    with open(path) as f:
-        recipe = yaml.safe_load(f) or {}
+    try:
+        with open(path) as f:
+            recipe = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise ValueError(f"--recipe {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--recipe {path}: not YAML: {exc}") from exc
     if not isinstance(recipe, dict):
         raise ValueError(f"{path}: a recipe is a mapping of flag names to values")
     by_flag = {opt: a for a in parser._actions for opt in a.option_strings}

@@ -81,6 +81,13 @@ class MetricsLogger:
 def read_step_records(path: str) -> dict[int, dict]:
     """The `{"step": ...}` records of a metrics JSONL by step (a resumed run's later record of a
     step wins)."""
+    records = []
     with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not a JSON record ({exc.msg})") from exc
     return {r["step"]: r for r in records if "step" in r}

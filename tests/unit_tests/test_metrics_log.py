@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from megatron_rl_bi.reporting.metrics import MetricsLogger, read_step_records
 
 
@@ -46,3 +48,10 @@ def test_compare_metrics_ignores_timings_only():
         "steps differ: [2] in one file only"]
     assert compare.differences({1: {"a": 1}}, {1: {"b": 1}}) == ["step 1 a: 1 != '<missing>'"]
     assert compare.added_metrics({1: {"a": 1}}, {1: {"a": 1, "b": 2}}) == ["b"]
+
+
+def test_a_line_that_is_not_json_is_named_by_file_and_line(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n\n{"step": 2, "x"\n')
+    with pytest.raises(ValueError, match=r"m.jsonl:3: not a JSON record"):
+        read_step_records(str(path))

@@ -43,6 +43,11 @@ def test_recipe_errors_name_the_file_and_key(tmp_path):
     recipe.write_text("disable-bias-linear: 3\n")
     with pytest.raises(ValueError, match="'disable-bias-linear' is a switch"):
         parse_rl_args(MODEL + ["--recipe", str(recipe)])
+    recipe.write_text("lr: 0.1\n  seed: [1\n")
+    with pytest.raises(ValueError, match=r"(?s)--recipe .*r.yaml: not YAML: .*line 2"):
+        parse_rl_args(MODEL + ["--recipe", str(recipe)])
+    with pytest.raises(ValueError, match=r"--recipe .*missing.yaml: No such file or directory"):
+        parse_rl_args(MODEL + ["--recipe", str(tmp_path / "missing.yaml")])
 
 
 def test_validation_lists_every_bad_flag():
