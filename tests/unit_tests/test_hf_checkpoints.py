@@ -173,3 +173,26 @@ def test_unsupported_checkpoints_fail_before_any_weight_is_read(tmp_path):
         read_hf_model(str(tmp_path / "hf"))
     with pytest.raises(ValueError, match="no config.json"):
         read_hf_model(str(tmp_path / "nowhere"))
+    config_path.write_text('{"model_type": \n')
+    with pytest.raises(ValueError, match=r"config.json:2: not JSON"):
+        read_hf_model(str(tmp_path / "hf"))
+    config_path.write_text("[]")
+    with pytest.raises(ValueError, match="config.json: a JSON object is expected, not list"):
+        read_hf_model(str(tmp_path / "hf"))
+
+
+def test_a_bad_shard_index_names_the_file(tmp_path):
+    from megatron_rl_bi.checkpoints.hf.files import INDEX, SafetensorsReader
+
+    (tmp_path / INDEX).write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match=f'{INDEX}: no "weight_map" object'):
+        SafetensorsReader(str(tmp_path))
+    (tmp_path / INDEX).write_text('{"weight_map": {"a": "model-1.safetensors",}}')
+    with pytest.raises(ValueError, match=f"{INDEX}:1: not JSON"):
+        SafetensorsReader(str(tmp_path))
+    (tmp_path / INDEX).unlink()
+    with pytest.raises(ValueError, match=f"neither {INDEX} nor model.safetensors"):
+        SafetensorsReader(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"cut")
+    with pytest.raises(ValueError, match="model.safetensors: not a safetensors file"):
+        SafetensorsReader(str(tmp_path))

@@ -8,9 +8,10 @@ windows, rope scaling, attention biases, other activations) fail here with the k
 so, before any weight is read.
 """
 
-import json
 import os
 from dataclasses import dataclass
+
+from megatron_rl_bi.checkpoints.hf.files import read_json_object
 
 FAMILIES = ("qwen3", "qwen3_5")
 
@@ -43,8 +44,7 @@ def read_hf_model(path: str) -> HFModel:
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"--hf-checkpoint {path}: no config.json there")
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
+    config = read_json_object(config_path)
     model_type = config.get("model_type")
     if model_type == "qwen3":
         return HFModel(path, "qwen3", config, config)

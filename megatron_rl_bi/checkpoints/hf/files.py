@@ -6,7 +6,7 @@ import os
 import shutil
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 INDEX = "model.safetensors.index.json"
@@ -18,6 +18,25 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.json", "generation_config.json", "tokenizer.model")
 
 
+def read_json_object(path: str) -> dict:
+    """A JSON object from `path` (config.json, the shard index); bad JSON names the file and line."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            value = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: a JSON object is expected, not {type(value).__name__}")
+    return value
+
+
+def _open_shard(path: str):
+    try:
+        return safe_open(path, framework="pt")
+    except SafetensorError as exc:  # a truncated or foreign file: its message names no file
+        raise ValueError(f"{path}: not a safetensors file ({exc})") from exc
+
+
 class SafetensorsReader:
     """Tensors of a checkpoint directory by name, opening each shard once."""
 
@@ -25,10 +44,12 @@ class SafetensorsReader:
         self.path = path
         index = os.path.join(path, INDEX)
         if os.path.isfile(index):
-            with open(index, encoding="utf-8") as f:
-                self.files = json.load(f)["weight_map"]
+            weight_map = read_json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index}: no \"weight_map\" object")
+            self.files = weight_map
         elif os.path.isfile(os.path.join(path, SINGLE)):
-            with safe_open(os.path.join(path, SINGLE), framework="pt") as f:
+            with _open_shard(os.path.join(path, SINGLE)) as f:
                 self.files = {name: SINGLE for name in f.keys()}
         else:
             raise ValueError(f"{path}: neither {INDEX} nor {SINGLE}")
@@ -43,7 +64,7 @@ class SafetensorsReader:
             raise ValueError(f"{self.path}: no tensor {name!r} in the checkpoint")
         file = self.files[name]
         if file not in self._open:
-            self._open[file] = safe_open(os.path.join(self.path, file), framework="pt")
+            self._open[file] = _open_shard(os.path.join(self.path, file))
         return self._open[file]
 
     def get(self, name: str) -> torch.Tensor:
