@@ -4,13 +4,13 @@ rank, and its position is part of the RL checkpoint.
 """
 
 import functools
-import json
 import random
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_rl_bi.envs.verifiers import verify_countdown, verify_math, verify_sort
+from megatron_rl_bi.jsonfile import parse_object
 
 
 @dataclass(frozen=True)
@@ -97,12 +97,7 @@ class JsonlTask:
 
 def _parse_line(path: str, line_number: int, line: str) -> Example:
     where = f"{path}:{line_number}"
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    record = parse_object(line, path, line_number)
     for key in ("prompt", "answer"):
         if not isinstance(record.get(key), str) or not record[key]:
             raise ValueError(f"{where}: field '{key}' must be a non-empty string")

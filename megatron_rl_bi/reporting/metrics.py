@@ -10,6 +10,8 @@ import json
 import math
 import os
 
+from megatron_rl_bi.jsonfile import parse_object
+
 
 class MetricsLogger:
     def __init__(
@@ -86,8 +88,5 @@ def read_step_records(path: str) -> dict[int, dict]:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not a JSON record ({exc.msg})") from exc
+            records.append(parse_object(line, path, number))
     return {r["step"]: r for r in records if "step" in r}

@@ -78,7 +78,7 @@ def test_jsonl_reads_and_shuffles_per_epoch(tmp_path):
 @pytest.mark.parametrize(
     "line, message",
     [
-        ("{not json", "d.jsonl:2: not valid JSON"),
+        ("{not json", "d.jsonl:2: not JSON"),
         ('["a"]', "d.jsonl:2: expected a JSON object, got list"),
         ('{"prompt": "p"}', "d.jsonl:2: field 'answer' must be a non-empty string"),
         ('{"prompt": 3, "answer": "1"}', "d.jsonl:2: field 'prompt' must be a non-empty string"),

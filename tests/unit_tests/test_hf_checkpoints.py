@@ -173,11 +173,11 @@ def test_unsupported_checkpoints_fail_before_any_weight_is_read(tmp_path):
         read_hf_model(str(tmp_path / "hf"))
     with pytest.raises(ValueError, match="no config.json"):
         read_hf_model(str(tmp_path / "nowhere"))
-    config_path.write_text('{"model_type": \n')
-    with pytest.raises(ValueError, match=r"config.json:2: not JSON"):
+    config_path.write_text('{\n  "model_type": "qwen3",\n  "vocab_size": ,\n}\n')
+    with pytest.raises(ValueError, match=r"config.json:3: not JSON \(Expecting value\)"):
         read_hf_model(str(tmp_path / "hf"))
     config_path.write_text("[]")
-    with pytest.raises(ValueError, match="config.json: a JSON object is expected, not list"):
+    with pytest.raises(ValueError, match="config.json:1: expected a JSON object, got list"):
         read_hf_model(str(tmp_path / "hf"))
 
 

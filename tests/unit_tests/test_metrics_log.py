@@ -53,5 +53,5 @@ def test_compare_metrics_ignores_timings_only():
 def test_a_line_that_is_not_json_is_named_by_file_and_line(tmp_path):
     path = tmp_path / "m.jsonl"
     path.write_text('{"step": 1}\n\n{"step": 2, "x"\n')
-    with pytest.raises(ValueError, match=r"m.jsonl:3: not a JSON record"):
+    with pytest.raises(ValueError, match=r"m.jsonl:3: not JSON"):
         read_step_records(str(path))

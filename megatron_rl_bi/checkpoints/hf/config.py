@@ -11,7 +11,7 @@ so, before any weight is read.
 import os
 from dataclasses import dataclass
 
-from megatron_rl_bi.checkpoints.hf.files import read_json_object
+from megatron_rl_bi.jsonfile import read_object
 
 FAMILIES = ("qwen3", "qwen3_5")
 
@@ -44,7 +44,7 @@ def read_hf_model(path: str) -> HFModel:
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"--hf-checkpoint {path}: no config.json there")
-    config = read_json_object(config_path)
+    config = read_object(config_path)
     model_type = config.get("model_type")
     if model_type == "qwen3":
         return HFModel(path, "qwen3", config, config)

@@ -9,6 +9,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from megatron_rl_bi.jsonfile import read_object
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -16,18 +18,6 @@ _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json", "tokenizer.model")
-
-
-def read_json_object(path: str) -> dict:
-    """A JSON object from `path` (config.json, the shard index); bad JSON names the file and line."""
-    with open(path, encoding="utf-8") as f:
-        try:
-            value = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from exc
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: a JSON object is expected, not {type(value).__name__}")
-    return value
 
 
 def _open_shard(path: str):
@@ -44,7 +34,7 @@ class SafetensorsReader:
         self.path = path
         index = os.path.join(path, INDEX)
         if os.path.isfile(index):
-            weight_map = read_json_object(index).get("weight_map")
+            weight_map = read_object(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{index}: no \"weight_map\" object")
             self.files = weight_map
