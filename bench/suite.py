@@ -24,6 +24,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_rl_bi.jsonfile import read_object  # noqa: E402
 from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
@@ -177,8 +178,10 @@ def plot(models: dict, path: str) -> None:
 def main() -> None:
     args = build_parser().parse_args()
     if args.table:
-        with open(args.table) as f:
-            print(markdown_table(json.load(f)))
+        report = read_object(args.table)
+        if "models" not in report:
+            raise SystemExit(f"--table {args.table}: not a report of bench/suite.py (it has no 'models')")
+        print(markdown_table(report))
         return
     workdir = tempfile.mkdtemp(prefix="bench_suite_")
     failures, models, profiles = [], {}, {}

@@ -172,3 +172,11 @@ def test_step_time_summary_names_the_slow_steps():
     assert summary["count"] == 6 and summary["sum_s"] == pytest.approx(2.1)
     assert summary["p50_ms"] == pytest.approx(20.0) and summary["max_ms"] == pytest.approx(2000.0)
     assert summary["slowest"][:2] == [[3, pytest.approx(2000.0)], [0, pytest.approx(50.0)]]
+
+
+def test_table_of_a_file_that_is_no_suite_report_names_it(tmp_path, monkeypatch):
+    path = tmp_path / "gemm.json"
+    path.write_text('{"shapes": []}')
+    monkeypatch.setattr("sys.argv", ["suite.py", "--table", str(path)])
+    with pytest.raises(SystemExit, match=r"--table .*gemm.json: not a report of bench/suite.py"):
+        suite.main()
