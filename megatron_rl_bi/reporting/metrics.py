@@ -83,10 +83,6 @@ class MetricsLogger:
 def read_step_records(path: str) -> dict[int, dict]:
     """The `{"step": ...}` records of a metrics JSONL by step (a resumed run's later record of a
     step wins)."""
-    records = []
     with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            records.append(parse_object(line, path, number))
+        records = [parse_object(line, path, number) for number, line in enumerate(f, 1) if line.strip()]
     return {r["step"]: r for r in records if "step" in r}
