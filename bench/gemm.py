@@ -1,7 +1,7 @@
 """The BI GEMM against cuBLAS and megatron-core's `matmul_persistent`, per shape and layout
-(bf16), as time ratios within one run: our TMA kernel alone, and what BI mode runs
-(`persistent_matmul`: megatron-core's kernel for small products); and whether the TMA kernel's
-bits equal megatron-core's (if they do, the swap leaves every BI result file unchanged).
+(bf16), as time ratios within one run: our TMA kernel (what BI mode runs), eager and at decode
+sizes graphed; and whether its bits equal megatron-core's (if they do, the swap leaves every BI
+result file unchanged).
 
   python bench/gemm.py --output results/bench_gemm_h200.json
 """
@@ -78,11 +78,11 @@ def graphed(a: torch.Tensor, b: torch.Tensor, kernels: dict, repeats: int) -> di
 
 
 def measure(m: int, k: int, n: int, layout: str, repeats: int) -> dict:
-    """Eager times (launch included, as an eager step pays it) of cuBLAS, megatron-core's kernel,
-    ours and what BI mode runs; at decode sizes (M <= 64) also graphed times."""
+    """Eager times (launch included, as an eager step pays it) of cuBLAS, megatron-core's kernel
+    and ours; at decode sizes (M <= 64) also graphed times."""
     a, b = operands(m, k, n, layout)
     kernels = {"cublas": lambda: a @ b, "mcore_persistent": lambda: gemm.MCORE_MATMUL(a, b),
-               "ours": lambda: gemm.matmul(a, b), "bi_mode": lambda: gemm.persistent_matmul(a, b)}
+               "ours": lambda: gemm.matmul(a, b)}
     times = {f"{name}_ms": seconds(fn, repeats) * 1e3 for name, fn in kernels.items()}
     return {
         "shape_mkn": [m, k, n],
@@ -90,8 +90,6 @@ def measure(m: int, k: int, n: int, layout: str, repeats: int) -> dict:
         **times,
         "ours_over_cublas": times["ours_ms"] / times["cublas_ms"],
         "mcore_over_cublas": times["mcore_persistent_ms"] / times["cublas_ms"],
-        "bi_mode_over_cublas": times["bi_mode_ms"] / times["cublas_ms"],
-        "bi_mode_kernel": "tma" if gemm.takes_tma_kernel(m, n) else "megatron-core",
         "bits_equal_mcore": torch.equal(gemm.matmul(a, b), gemm.MCORE_MATMUL(a, b)),
         **(graphed(a, b, kernels, repeats) if m <= 64 else {}),
     }

@@ -4,7 +4,7 @@ Turning it on routes aten mm/addmm/_log_softmax/mean.dim to megatron-core's batc
 kernels (and, when TransformerEngine is installed, patches TE's GEMM and RMSNorm entry points the
 way megatron-core does), with six of megatron-core's pieces replaced where its overrides and TE
 patches look them up:
-- its GEMM (`matmul_persistent`) by `bi.gemm.persistent_matmul` (same bits, near cuBLAS speed);
+- its GEMM (`matmul_persistent`) by `bi.gemm.matmul` (same bits, near cuBLAS speed);
 - its log-softmax (`log_softmax`) by `bi.log_softmax.log_softmax` (same bits, few rows split);
 - its mean (`mean_batch_invariant`, which returns the sum for a full mean) by `bi.mean.mean`;
 - its RMSNorm (`BatchInvariantRMSNormFn`, whose forward also drops zero-centred gamma) by
@@ -31,7 +31,7 @@ from megatron_rl_bi.bi import gemm, log_softmax, mean, rmsnorm, te_gemm
 
 # megatron-core's BI pieces that its overrides look up at call time, or its enabling installs into
 # TE (so ours go in first), and ours.
-_OURS = {"matmul_persistent": gemm.persistent_matmul,
+_OURS = {"matmul_persistent": gemm.matmul,
          "log_softmax": log_softmax.log_softmax,
          "mean_batch_invariant": mean.mean,
          "BatchInvariantRMSNormFn": rmsnorm.BatchInvariantRMSNorm,

@@ -8,7 +8,7 @@ is then the token count, which TMA cannot describe unless it is a multiple of 8,
 batches (packed to any length) sent those products to megatron-core's slow kernel (the TE BI
 update measured 1.68x default on the H200, the local path 1.08x). It also ignores `accumulate`:
 under gradient-accumulation fusion TE asks to add the weight gradient into `main_grad`, and it
-overwrote it. This one hands `persistent_matmul` transposed views, the layouts the local path
+overwrote it. This one hands `gemm.matmul` transposed views, the layouts the local path
 gives it, and adds when asked. Bias is added after rounding, as megatron-core does. Like TE's own
 GEMM (and unlike megatron-core's, an autograd Function) it records no autograd graph: TE calls it
 inside its own autograd Functions, and a delayed weight gradient run with grad enabled must not
@@ -72,7 +72,7 @@ def _product(A, B, out_dtype, layout, bias, grad):
     weight = A.t() if transa else A.reshape(-1, A.shape[-1])
     rows = B.reshape(-1, B.shape[-1])
     rows = rows.t() if transb else rows
-    result = gemm.persistent_matmul(rows, weight)
+    result = gemm.matmul(rows, weight)
     if not transb:
         result = result.reshape(*B.shape[:-1], result.shape[-1])
     if bias is not None and not grad:

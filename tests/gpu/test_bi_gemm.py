@@ -1,8 +1,8 @@
 """The TMA GEMM (megatron_rl_bi.bi.gemm) on the GPU, bf16: rows independent of M in every
 layout the model's forward and backward use, every tile config the same bits, the same bits as
-megatron-core's kernel in every layout (so routing small products to it keeps rows independent
-of M, and the BI results of earlier commits stand), and the product within bf16 rounding of
-cuBLAS's."""
+megatron-core's kernel in every layout (so what TMA cannot describe may go to it, and the BI
+results of earlier commits stand), the same bits from a replayed CUDA graph, and the product
+within bf16 rounding of cuBLAS's."""
 
 import pytest
 import torch
@@ -63,12 +63,17 @@ def test_same_bits_as_megatron_cores_kernel(layout, m):
     assert torch.equal(gemm.matmul(a, b), gemm.MCORE_MATMUL(a, b))
 
 
-def test_the_routed_entry_point_keeps_rows_independent_of_m():
-    """persistent_matmul sends the 8-row product to megatron-core's kernel and the full one to
-    the TMA kernel: the rows still agree."""
-    a, b = _operands(4096, 2048, 4096)
-    assert 8 * 4096 < gemm.MIN_TMA_OUTPUTS <= 4096 * 4096
-    assert torch.equal(gemm.persistent_matmul(a[:8], b), gemm.persistent_matmul(a, b)[:8])
+def test_replayed_graph_rewrites_its_descriptors_for_new_inputs():
+    """Each program writes its descriptors into scratch memory the capture allocated; a replay
+    after the inputs change in place gives the eager product's bits."""
+    a, b = LAYOUTS["forward"](*_operands(32, 2048, 4096))
+    gemm.matmul(a, b)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gemm.matmul(a, b)
+    a.copy_(torch.randn_like(a))
+    graph.replay()
+    assert torch.equal(captured, gemm.matmul(a, b))
 
 
 def test_close_to_cublas():

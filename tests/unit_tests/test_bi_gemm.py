@@ -86,23 +86,3 @@ def test_what_tma_cannot_describe_goes_to_megatron_core(monkeypatch):
 def test_mismatched_operands_are_refused():
     with pytest.raises(ValueError, match=r"matmul of \(8, 64\) torch.float16 and \(32, 128\)"):
         gemm.matmul(torch.zeros(8, 64).half(), torch.zeros(32, 128).half())
-
-
-def test_small_products_go_to_megatron_cores_kernel(monkeypatch):
-    calls = []
-    monkeypatch.setattr(gemm, "MCORE_MATMUL", lambda a, b, bias: calls.append("mcore"))
-    monkeypatch.setattr(gemm, "matmul", lambda a, b, bias: calls.append("tma"))
-    rows_at_the_limit = gemm.MIN_TMA_OUTPUTS // 4096
-    for rows in (1, rows_at_the_limit - 1, rows_at_the_limit, 16384):
-        gemm.persistent_matmul(torch.empty(rows, 8), torch.empty(8, 4096))
-    assert calls == ["mcore", "mcore", "tma", "tma"]
-
-
-def test_under_graph_capture_every_product_takes_the_tma_kernel(monkeypatch):
-    calls = []
-    monkeypatch.setattr(gemm, "MCORE_MATMUL", lambda a, b, bias: calls.append("mcore"))
-    monkeypatch.setattr(gemm, "matmul", lambda a, b, bias: calls.append("tma"))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    gemm.persistent_matmul(torch.empty(1, 8), torch.empty(8, 4096))
-    assert calls == ["tma"]

@@ -38,7 +38,7 @@ def test_enable_routes_mm_and_disable_restores(mm_calls):
 def test_our_kernels_stand_in_for_megatron_cores_while_on(mm_calls):
     upstream_norm = mcore_bik.BatchInvariantRMSNormFn
     bi.enable()
-    assert mcore_bik.matmul_persistent is gemm.persistent_matmul
+    assert mcore_bik.matmul_persistent is gemm.matmul
     assert mcore_bik.BatchInvariantRMSNormFn is rmsnorm.BatchInvariantRMSNorm
     assert mcore_bik.log_softmax is log_softmax.log_softmax
     bi.disable()
