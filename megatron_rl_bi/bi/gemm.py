@@ -3,17 +3,18 @@
 megatron-core's `matmul_persistent` is batch-invariant but slow on the H200: 1.3-1.5x cuBLAS's
 time on row-major training shapes, ~4x over a whole forward+backward (pointer loads of the
 transposed operands; bench/gemm.py, results/bench_h200.json). This kernel is persistent too, and
-loads its tiles with TMA (host tensor descriptors, out-of-bounds zero-filled, so no masks; tensor
-descriptors written by each program on the GPU cost ~3 us more per graphed decode product and
-launched no faster eagerly, results/README.md). What keeps an output row's bits independent of
-how many rows run with it: no split-K, and K reduced in order in block_k steps into one fp32
-accumulator per tile (the MMA instructions accumulate 16 K values at a time in K order whatever
-the block). The tile sizes are picked by M and N (small tiles for decode-sized M); on the H200
-the bits were found not to depend on the M/N tile, and to equal megatron-core's kernel's (the
-same fp32 accumulation in K order): tests/gpu test_bi_gemm checks every config and every layout,
-bench/gemm.py every decode tile it tries. So fp32 inputs, and tensors TMA cannot describe (a
-16-byte-misaligned base or stride, the output's included: N not a multiple of 8 in bf16), go to
-megatron-core's kernel without changing a row's bits.
+loads its tiles with TMA (out-of-bounds zero-filled, so no masks). Each program writes its tensor
+descriptors on the GPU: host-encoded descriptors cost an eager launch ~3x the host time of
+megatron-core's (bench/decode_tail.py), which once sent small eager products, an LM head at 32
+requests included, to megatron-core's 3x slower kernel. What keeps an output row's bits
+independent of how many rows run with it: no split-K, and K reduced in order in block_k steps
+into one fp32 accumulator per tile (the MMA instructions accumulate 16 K values at a time in K
+order whatever the block). The tile sizes are picked by M and N (small tiles for decode-sized
+M); on the H200 the bits were found not to depend on the M/N tile, and to equal megatron-core's
+kernel's (the same fp32 accumulation in K order): tests/gpu test_bi_gemm checks every config and
+every layout, bench/gemm.py every decode tile it tries. fp32 inputs, and tensors TMA cannot
+describe (a 16-byte-misaligned base or stride, the output's included: N not a multiple of 8 in
+bf16), go to megatron-core's kernel.
 """
 
 import functools
@@ -23,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 from megatron.core.transformer.custom_layers import batch_invariant_kernels as _mcore_bik
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 GROUP_M = 8
 _TMA_ALIGNMENT_BYTES = 16
@@ -70,13 +70,28 @@ def _tile_coordinates(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _row_major_descriptor(ptr, rows, cols, row_stride, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    return tl.make_tensor_descriptor(ptr, shape=[rows, cols], strides=[row_stride, 1],
+                                     block_shape=[BLOCK_ROWS, BLOCK_COLS])
+
+
+@triton.jit
 def _persistent_matmul(
-    a_desc, b_desc, c_desc, bias_ptr, M, N, K, num_programs,
+    a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, a_row_stride, b_row_stride, num_programs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_COLUMN_MAJOR: tl.constexpr, B_COLUMN_MAJOR: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """C[M, N] = A[M, K] @ B[K, N] (+ bias[N]). A column-major A is described as its [K, M]
-    transpose, a column-major B as its [N, K] transpose."""
+    """C[M, N] = A[M, K] @ B[K, N] (+ bias[N]). A column-major A is passed and described as its
+    row-major [K, M] transpose, a column-major B as its [N, K] transpose."""
+    if A_COLUMN_MAJOR:
+        a_desc = _row_major_descriptor(a_ptr, K, M, a_row_stride, BLOCK_K, BLOCK_M)
+    else:
+        a_desc = _row_major_descriptor(a_ptr, M, K, a_row_stride, BLOCK_M, BLOCK_K)
+    if B_COLUMN_MAJOR:
+        b_desc = _row_major_descriptor(b_ptr, N, K, b_row_stride, BLOCK_N, BLOCK_K)
+    else:
+        b_desc = _row_major_descriptor(b_ptr, K, N, b_row_stride, BLOCK_K, BLOCK_N)
+    c_desc = _row_major_descriptor(c_ptr, M, N, N, BLOCK_M, BLOCK_N)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_m * num_n, num_programs):
@@ -96,7 +111,12 @@ def _persistent_matmul(
         if HAS_BIAS:
             offs_n = off_n + tl.arange(0, BLOCK_N)
             accumulator += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        c_desc.store([off_m, off_n], accumulator.to(c_desc.dtype))
+        c_desc.store([off_m, off_n], accumulator.to(c_ptr.dtype.element_ty))
+
+
+def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global memory where each program writes its tensor descriptors (Triton asks at launch)."""
+    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 def _tma_view(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
@@ -138,13 +158,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         return MCORE_MATMUL(a, b, bias)
     config = config or tile_config(m, n)
     (a_tma, a_column_major), (b_tma, b_column_major) = a_view, b_view
-    a_block = [config.block_k, config.block_m] if a_column_major else [config.block_m, config.block_k]
-    b_block = [config.block_n, config.block_k] if b_column_major else [config.block_k, config.block_n]
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     programs = min(streaming_multiprocessors(a.device), tiles)
+    triton.set_allocator(_descriptor_scratch)  # a context variable: set where the launch runs
     _persistent_matmul[(programs,)](
-        TensorDescriptor.from_tensor(a_tma, a_block), TensorDescriptor.from_tensor(b_tma, b_block),
-        TensorDescriptor.from_tensor(c, [config.block_m, config.block_n]), bias, m, n, k, programs,
+        a_tma, b_tma, c, bias, m, n, k, a_tma.stride(0), b_tma.stride(0), programs,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=GROUP_M,
         A_COLUMN_MAJOR=a_column_major, B_COLUMN_MAJOR=b_column_major, HAS_BIAS=bias is not None,
         num_stages=config.num_stages, num_warps=config.num_warps,

@@ -63,9 +63,9 @@ def test_same_bits_as_megatron_cores_kernel(layout, m):
     assert torch.equal(gemm.matmul(a, b), gemm.MCORE_MATMUL(a, b))
 
 
-def test_a_replayed_graph_gives_the_eager_bits_for_new_inputs():
-    """A decode step's products run from a CUDA graph whose descriptors were encoded at capture:
-    a replay after the inputs change in place gives the eager product's bits."""
+def test_replayed_graph_rewrites_its_descriptors_for_new_inputs():
+    """Each program writes its descriptors into scratch memory the capture allocated; a replay
+    after the inputs change in place gives the eager product's bits."""
     a, b = LAYOUTS["forward"](*_operands(32, 2048, 4096))
     gemm.matmul(a, b)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
