@@ -1,20 +1,21 @@
 """The batch-invariant GEMM behind aten::mm and aten::addmm in BI mode (bf16/fp16).
 
-megatron-core's `matmul_persistent` is batch-invariant but slow on the H200: 1.3-1.5x cuBLAS's
-time on row-major training shapes, ~4x over a whole forward+backward (pointer loads of the
-transposed operands; bench/gemm.py, results/bench_h200.json). This kernel is persistent too, and
-loads its tiles with TMA (out-of-bounds zero-filled, so no masks). Each program writes its tensor
-descriptors on the GPU: host-encoded descriptors cost an eager launch ~3x the host time of
-megatron-core's (bench/decode_tail.py), which once sent small eager products, an LM head at 32
-requests included, to megatron-core's 3x slower kernel. What keeps an output row's bits
-independent of how many rows run with it: no split-K, and K reduced in order in block_k steps
-into one fp32 accumulator per tile (the MMA instructions accumulate 16 K values at a time in K
-order whatever the block). The tile sizes are picked by M and N (small tiles for decode-sized
-M); on the H200 the bits were found not to depend on the M/N tile, and to equal megatron-core's
-kernel's (the same fp32 accumulation in K order): tests/gpu test_bi_gemm checks every config and
-every layout, bench/gemm.py every decode tile it tries. fp32 inputs, and tensors TMA cannot
-describe (a 16-byte-misaligned base or stride, the output's included: N not a multiple of 8 in
-bf16), go to megatron-core's kernel.
+megatron-core's `matmul_persistent` is batch-invariant but slow on the H200: 1.3-1.5x cuBLAS's time
+on row-major training shapes, ~4x over a whole forward+backward (pointer loads of the transposed
+operands; bench/gemm.py, results/bench_h200.json). This kernel is persistent too, and loads its
+tiles with TMA (out-of-bounds zero-filled, so no masks). Each program writes its tensor descriptors
+on the GPU. Encoded on the host, they made an eager 32-row product cost 91-102 us a call against
+39-79 us (bench/gemm.py on the H200, launch-bound), more than megatron-core's kernel (66-74 us), so
+such products, an LM head at 32 requests among them, went to that kernel and its 3x GPU time; the
+price is ~3 us of GPU per product inside a graphed decode step (results/README.md). What keeps an
+output row's bits independent of how many rows run with it: no split-K, and K reduced in order in
+block_k steps into one fp32 accumulator per tile (the MMA instructions accumulate 16 K values at a
+time in K order whatever the block). The tile sizes are picked by M and N (small tiles for
+decode-sized M); on the H200 the bits were found not to depend on the M/N tile, and to equal
+megatron-core's kernel's (the same fp32 accumulation in K order): tests/gpu test_bi_gemm checks
+every config and every layout, bench/gemm.py every decode tile it tries. fp32 inputs, and tensors
+TMA cannot describe (a 16-byte-misaligned base or stride, the output's included: N not a multiple
+of 8 in bf16), go to megatron-core's kernel.
 """
 
 import functools
