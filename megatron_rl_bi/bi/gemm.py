@@ -4,8 +4,8 @@ megatron-core's `matmul_persistent` is batch-invariant but slow on the H200: 1.3
 on row-major training shapes, ~4x over a whole forward+backward (pointer loads of the transposed
 operands; bench/gemm.py, results/bench_h200.json). This kernel is persistent too, and loads its
 tiles with TMA (out-of-bounds zero-filled, so no masks). Each program writes its tensor descriptors
-on the GPU. Encoded on the host, they made an eager 32-row product cost 91-102 us a call against
-39-79 us (bench/gemm.py on the H200, launch-bound), more than megatron-core's kernel (66-74 us), so
+on the GPU. Encoded on the host, they made an eager 32-row product cost 91-103 us a call against
+39-79 us (bench/gemm.py on the H200, launch-bound), more than megatron-core's kernel (54-74 us), so
 such products, an LM head at 32 requests among them, went to that kernel and its 3x GPU time; the
 price is ~3 us of GPU per product inside a graphed decode step (results/README.md). What keeps an
 output row's bits independent of how many rows run with it: no split-K, and K reduced in order in
