@@ -64,13 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run(script: str, flags: list[str], output_flag: str, path: str) -> tuple[dict | None, int]:
-    """Runs bench/`script` writing its JSON to `path`: (the JSON or None, exit code)."""
+def _run(script: str, flags: list[str], output_flag: str, path: str) -> tuple[dict | None, str | None]:
+    """Runs bench/`script` writing its JSON to `path`: (the JSON or None, what went wrong or None).
+    A run that wrote no JSON, or JSON that does not parse, costs its own result, not the suite's."""
     code = subprocess.run([sys.executable, os.path.join(BENCH, script), *flags, output_flag, path]).returncode
+    exit_status = f"exit {code}" if code else None
     if not os.path.exists(path):
-        return None, code or 1
-    with open(path) as f:
-        return json.load(f), code
+        return None, f"exit {code}, wrote no {path}"
+    try:
+        return read_object(path), exit_status
+    except ValueError as exc:
+        return None, f"exit {code}, {exc}"
 
 
 def summarize(profile: dict) -> dict:
@@ -189,19 +193,19 @@ def main() -> None:
         rounds = []
         for index in range(args.rounds):
             order = ["--bench-default-first"] if index % 2 else []
-            profile, code = _run("profile_steps.py", COMMON + MODELS[name] + order + args.extra_flags.split(),
-                                 "--bench-output", os.path.join(workdir, f"{name}_{index}.json"))
-            if code:
-                failures.append(f"{name} round {index}: exit {code}")
+            profile, failure = _run("profile_steps.py", COMMON + MODELS[name] + order + args.extra_flags.split(),
+                                    "--bench-output", os.path.join(workdir, f"{name}_{index}.json"))
+            if failure:
+                failures.append(f"{name} round {index}: {failure}")
             if profile is not None:
                 rounds.append(profile)
         if rounds:
             profiles[name], models[name] = rounds[0], summarize_rounds(rounds)
     gemm = None
     if not args.skip_gemm:
-        gemm, code = _run("gemm.py", [], "--output", os.path.join(workdir, "gemm.json"))
-        if code:
-            failures.append(f"gemm: exit {code}")
+        gemm, failure = _run("gemm.py", [], "--output", os.path.join(workdir, "gemm.json"))
+        if failure:
+            failures.append(f"gemm: {failure}")
     report = {**provenance(), "extra_flags": args.extra_flags, "rounds": args.rounds, "models": models,
               "gemm": gemm and gemm["shapes"], "profiles": profiles, "failures": failures}
     report.update(headline(models))

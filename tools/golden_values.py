@@ -27,6 +27,11 @@ from dataclasses import dataclass
 import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from megatron_rl_bi.jsonfile import read_object  # noqa: E402
+from megatron_rl_bi.reporting.metrics import read_step_records  # noqa: E402
+
 CASES = os.path.join(REPO, "tests", "functional_tests", "test_cases")
 GOLDEN = "golden_values_dev_h200.json"
 EXACT = ("loss", "reward/task_mean", "reward/trained_mean", "grad_norm", "bit_wise/tokens",
@@ -88,8 +93,6 @@ def _pretrain_rl(case: Case, extra: list[str]) -> None:
 def run_case(case: Case, workdir: str, resume: bool) -> dict[int, dict]:
     """The case's step records. A ckpt-resume case's golden values are steps N/2+1..N of the
     uninterrupted run (`resume` False); checking it (`resume` True) stops at N/2 and resumes."""
-    from megatron_rl_bi.reporting.metrics import read_step_records
-
     metrics, checkpoints = os.path.join(workdir, "m.jsonl"), os.path.join(workdir, "ckpt")
     steps = int(case.model_args["--train-iters"])
     common = ["--rl-metrics-jsonl", metrics, "--save", checkpoints, "--save-interval", str(steps)]
@@ -155,8 +158,7 @@ def _load_all(paths: list[str], mode: str) -> list[tuple[Case, dict | None]]:
             golden_path = os.path.join(path, GOLDEN)
             if not os.path.isfile(golden_path):
                 raise SystemExit(f"{golden_path}: missing; python tools/golden_values.py regenerate {path}")
-            with open(golden_path) as f:
-                golden = json.load(f)
+            golden = read_object(golden_path)
         loaded.append((load_case(path), golden))
     return loaded
 

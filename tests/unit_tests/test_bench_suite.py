@@ -4,6 +4,7 @@ every model's flags parse."""
 import importlib.util
 import os
 import time
+import types
 
 import pytest
 
@@ -180,3 +181,24 @@ def test_table_of_a_file_that_is_no_suite_report_names_it(tmp_path, monkeypatch)
     monkeypatch.setattr("sys.argv", ["suite.py", "--table", str(path)])
     with pytest.raises(SystemExit, match=r"--table .*gemm.json: not a report of bench/suite.py"):
         suite.main()
+
+
+@pytest.mark.parametrize("written, code, failure", [
+    ('{"shapes": []}', 0, None),
+    ('{"shapes": []}', 3, "exit 3"),
+    (None, 1, "exit 1, wrote no {path}"),
+    ('{"shapes": [\n', 0, "exit 0, {path}:1: not JSON (Expecting value)"),  # a run killed while writing
+])
+def test_a_runs_failure_is_reported_not_raised(tmp_path, monkeypatch, written, code, failure):
+    path = tmp_path / "out.json"
+
+    def fake_run(command):
+        assert command[-2:] == ["--output", str(path)]
+        if written is not None:
+            path.write_text(written)
+        return types.SimpleNamespace(returncode=code)
+
+    monkeypatch.setattr(suite.subprocess, "run", fake_run)
+    report, reported = suite._run("gemm.py", [], "--output", str(path))
+    assert reported == (failure and failure.format(path=path))
+    assert report == ({"shapes": []} if written and written.endswith("}") else None)

@@ -83,3 +83,12 @@ def test_check_reads_every_case_and_golden_file_before_running(tmp_path):
     with pytest.raises(SystemExit, match=f"{tmp_path}: no model_config.yaml"):
         golden_values._load_all([str(tmp_path)], "regenerate")
     assert [c.path for c, golden in golden_values._load_all([str(case)], "regenerate")] == [str(case)]
+
+
+def test_a_golden_file_that_is_not_json_is_named_with_its_line(tmp_path):
+    case = tmp_path / "model" / "case"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text("MODEL_ARGS: {--train-iters: 2}\n")
+    (case / "golden_values_dev_h200.json").write_text('{"loss": {\n  "1": 0.5,\n}\n')
+    with pytest.raises(ValueError, match=f"{case}/golden_values_dev_h200.json:3: not JSON"):
+        golden_values._load_all([str(case)], "check")
