@@ -27,17 +27,31 @@ class HFModel:
 
     @property
     def vocab_size(self) -> int:
-        return self.text_config["vocab_size"]
+        return self.positive("vocab_size", int)
 
     @property
     def layer_types(self) -> list[str]:
         """Qwen3.5: 'linear_attention' or 'full_attention' per layer."""
-        cfg = self.text_config
+        cfg, layers = self.text_config, self.positive("num_hidden_layers", int)
         if cfg.get("layer_types"):
+            if len(cfg["layer_types"]) != layers:
+                raise ValueError(f"{self.path}/config.json: {len(cfg['layer_types'])} layer_types for "
+                                 f"num_hidden_layers {layers}")
             return list(cfg["layer_types"])
-        interval = cfg.get("full_attention_interval", 4)
-        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                for i in range(cfg["num_hidden_layers"])]
+        interval = self.positive("full_attention_interval", int) if "full_attention_interval" in cfg else 4
+        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+
+    def positive(self, key: str, kind: type) -> int | float:
+        """The language model's `key`, which must be a positive `kind` (int, or float, which takes
+        ints too); a missing or wrong value names the file and the key."""
+        name = key if self.text_config is self.config else f"text_config.{key}"
+        if key not in self.text_config:
+            raise ValueError(f"{self.path}/config.json: missing key {name!r}")
+        value = self.text_config[key]
+        kinds = (int, float) if kind is float else (int,)
+        if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
+            raise ValueError(f"{self.path}/config.json: {name} is {value!r}; a positive {kind.__name__} is needed")
+        return value
 
 
 def read_hf_model(path: str) -> HFModel:
@@ -91,31 +105,32 @@ def _refuse_unsupported(model: HFModel) -> None:
 def megatron_flags(model: HFModel) -> dict:
     """Megatron argument destinations -> values that build this checkpoint's architecture."""
     _refuse_unsupported(model)
-    cfg = model.text_config
+    cfg, positive = model.text_config, model.positive
     theta, rotary_fraction = _rope(model)
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hidden, heads, kv_heads = (positive(key, int) for key in
+                               ("hidden_size", "num_attention_heads", "num_key_value_heads"))
     flags = dict(
-        hidden_size=cfg["hidden_size"],
-        ffn_hidden_size=cfg["intermediate_size"],
+        hidden_size=hidden,
+        ffn_hidden_size=positive("intermediate_size", int),
         num_attention_heads=heads,
         group_query_attention=kv_heads != heads,
         num_query_groups=kv_heads,
-        kv_channels=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        max_position_embeddings=cfg["max_position_embeddings"],
+        kv_channels=positive("head_dim", int) if cfg.get("head_dim") is not None else hidden // heads,
+        max_position_embeddings=positive("max_position_embeddings", int),
         position_embedding_type="rope",
         rotary_base=int(theta),  # Megatron's --rotary-base is an int
         rotary_percent=rotary_fraction,
         normalization="RMSNorm",
-        layernorm_epsilon=cfg["rms_norm_eps"],
+        layernorm_epsilon=positive("rms_norm_eps", float),
         qk_layernorm=True,
         swiglu=True,
         add_bias_linear=False,
         add_qkv_bias=False,
         untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
-        vocab_size=cfg["vocab_size"],
+        vocab_size=model.vocab_size,
     )
     if model.family == "qwen3":
-        flags.update(num_layers=cfg["num_hidden_layers"], layernorm_zero_centered_gamma=False,
+        flags.update(num_layers=positive("num_hidden_layers", int), layernorm_zero_centered_gamma=False,
                      attention_output_gate=False)
     else:
         flags.update(_qwen3_5_flags(model))
@@ -132,9 +147,7 @@ def _qwen3_5_flags(model: HFModel) -> dict:
         hybrid_layer_pattern="".join(symbols[kind] + "-" for kind in model.layer_types),
         layernorm_zero_centered_gamma=True,  # Qwen3.5's RMSNorm scales by (1 + weight)
         attention_output_gate=cfg.get("attn_output_gate", True),
-        linear_num_key_heads=cfg["linear_num_key_heads"],
-        linear_num_value_heads=cfg["linear_num_value_heads"],
-        linear_key_head_dim=cfg["linear_key_head_dim"],
-        linear_value_head_dim=cfg["linear_value_head_dim"],
-        linear_conv_kernel_dim=cfg["linear_conv_kernel_dim"],
+        **{key: model.positive(key, int) for key in ("linear_num_key_heads", "linear_num_value_heads",
+                                                      "linear_key_head_dim", "linear_value_head_dim",
+                                                      "linear_conv_kernel_dim")},
     )
