@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.report import seconds, write_report  # noqa: E402
+from bench.report import positive_int, seconds, write_report  # noqa: E402
 from bench.workload import (  # noqa: E402
     add_workload_args,
     build_workload,
@@ -28,7 +28,7 @@ from megatron_rl_bi.models.build import cpu_state_dict  # noqa: E402
 def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_workload_args(parser)
     group = parser.add_argument_group("bench")
-    group.add_argument("--bench-repeats", type=int, default=3)
+    group.add_argument("--bench-repeats", type=positive_int, default=3)
     group.add_argument("--bench-output", default=None)
     return parser
 

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.report import PythonProfiler, python_table, write_report  # noqa: E402
+from bench.report import PythonProfiler, positive_int, python_table, write_report  # noqa: E402
 
 from megatron_rl_bi import bi  # noqa: E402
 from megatron_rl_bi.bi import gemm, log_softmax  # noqa: E402
@@ -89,7 +89,7 @@ def variants(vocab: int) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=100, help="calls of each variant queued behind one sleep")
+    parser.add_argument("--calls", type=positive_int, default=100, help="calls of each variant queued behind one sleep")
     parser.add_argument("--output", default=None)
     return parser
 

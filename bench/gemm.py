@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.report import graphed_seconds, seconds, write_report  # noqa: E402
+from bench.report import graphed_seconds, positive_int, seconds, write_report  # noqa: E402
 
 from megatron_rl_bi.bi import gemm  # noqa: E402
 from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
@@ -41,7 +41,7 @@ DECODE_TILES = [gemm.TileConfig(64, n, stages, 4, k) for n in (32, 64, 128)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=positive_int, default=20)
     parser.add_argument("--output", default=None)
     return parser
 

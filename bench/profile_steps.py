@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.report import PythonProfiler, python_table, seconds, write_report  # noqa: E402
+from bench.report import PythonProfiler, positive_int, python_table, seconds, write_report  # noqa: E402
 from bench.workload import (  # noqa: E402
     Workload,
     add_workload_args,
@@ -43,7 +43,7 @@ TIMED_GENERATIONS = 3  # the generation time is their median: one host hiccup mo
 def add_profile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_workload_args(parser)
     group = parser.add_argument_group("profile")
-    group.add_argument("--bench-op-rows", type=int, default=25)
+    group.add_argument("--bench-op-rows", type=positive_int, default=25)
     group.add_argument("--bench-output", default=None)
     return parser
 

@@ -1,6 +1,7 @@
 """What every benchmark shares: the timers, the Python profile table, and the one way a report is
 shown and written."""
 
+import argparse
 import cProfile
 import json
 import os
@@ -8,6 +9,14 @@ import pstats
 import time
 
 import torch
+
+
+def positive_int(text: str) -> int:
+    """argparse type of the benches' counts: a count of 0 would time nothing and report it."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
+    return value
 
 
 def seconds(fn, repeats: int) -> float:

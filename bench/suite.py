@@ -24,6 +24,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.report import positive_int  # noqa: E402
 from megatron_rl_bi.jsonfile import read_object  # noqa: E402
 from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
 
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--extra-flags", default="",
                         help="added to every model's flags, e.g. '--cuda-graph-impl local "
                              "--inference-cuda-graph-scope block --decode-only-cuda-graphs'")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=positive_int, default=1,
                         help="runs of each model, BI first in even rounds and default first in odd ones; "
                              "the ratios and times are the rounds' medians")
     parser.add_argument("--skip-gemm", action="store_true",

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
 
+from bench.report import positive_int
 from megatron_rl_bi.config import parse_args, validate_batch_invariance
 from megatron_rl_bi.config.from_args import engine_config_from_args
 from megatron_rl_bi.distributed import initialize_distributed
@@ -27,10 +28,10 @@ PARITY_REQUESTS, PARITY_NEW_TOKENS = 8, 32
 
 def add_workload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("bench workload")
-    group.add_argument("--bench-train-tokens", type=int, default=16384)
-    group.add_argument("--bench-requests", type=int, default=32)
-    group.add_argument("--bench-new-tokens", type=int, default=128)
-    group.add_argument("--bench-vocab-size", type=int, default=32000)
+    group.add_argument("--bench-train-tokens", type=positive_int, default=16384)
+    group.add_argument("--bench-requests", type=positive_int, default=32)
+    group.add_argument("--bench-new-tokens", type=positive_int, default=128)
+    group.add_argument("--bench-vocab-size", type=positive_int, default=32000)
     group.add_argument("--bench-default-first", action="store_true",
                        help="measure default mode before BI mode (bench/suite.py --rounds alternates the "
                             "order, so a machine's drift does not fall on one mode)")

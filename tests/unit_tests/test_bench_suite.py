@@ -202,3 +202,11 @@ def test_a_runs_failure_is_reported_not_raised(tmp_path, monkeypatch, written, c
     report, reported = suite._run("gemm.py", [], "--output", str(path))
     assert reported == (failure and failure.format(path=path))
     assert report == ({"shapes": []} if written and written.endswith("}") else None)
+
+
+def test_a_count_of_zero_is_refused_before_anything_runs(capsys):
+    """--rounds 0 ran nothing and wrote an empty report over --output, exit 0."""
+    with pytest.raises(SystemExit):
+        suite.build_parser().parse_args(["--output", "report.json", "--rounds", "0"])
+    assert "argument --rounds: 0: must be >= 1" in capsys.readouterr().err
+    assert bench_report.positive_int("3") == 3
