@@ -19,8 +19,10 @@ TIMING_PREFIXES = ("time/", "throughput/", "memory/")
 
 def differences(expected: dict[int, dict], actual: dict[int, dict]) -> list[str]:
     found = []
-    if sorted(expected) != sorted(actual):
-        found.append(f"steps differ: {sorted(set(expected) ^ set(actual))[:10]} in one file only")
+    if missing := sorted(set(expected) - set(actual)):
+        found.append(f"steps of the reference missing here: {missing[:10]}")
+    if extra := sorted(set(actual) - set(expected)):
+        found.append(f"steps not in the reference: {extra[:10]}")
     for step in sorted(set(expected) & set(actual)):
         for key in sorted(k for k in expected[step] if not k.startswith(TIMING_PREFIXES)):
             a, b = expected[step][key], actual[step].get(key, "<missing>")
@@ -39,7 +41,10 @@ def main() -> None:
     parser.add_argument("expected", help="reference metrics JSONL")
     parser.add_argument("actual", help="metrics JSONL to check")
     args = parser.parse_args()
-    expected, actual = read_step_records(args.expected), read_step_records(args.actual)
+    try:
+        expected, actual = read_step_records(args.expected), read_step_records(args.actual)
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
     found = differences(expected, actual)
     print("\n".join(found) if found else f"every reference value reproduced: {args.actual}")
     if added := added_metrics(expected, actual):

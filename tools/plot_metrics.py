@@ -61,13 +61,18 @@ def _records(path: str) -> list[dict]:
 
 
 def main() -> None:
-    args = build_parser().parse_args()
-    runs = [(args.label, _records(args.jsonl))]
+    parser = build_parser()
+    args = parser.parse_args()
+    sources = [(args.label, args.jsonl)]
     for spec in args.also:
         path, _, label = spec.rpartition(":")
         if not path:
-            raise ValueError(f"--also {spec}: expected JSONL:LABEL")
-        runs.append((label, _records(path)))
+            parser.error(f"--also {spec}: expected JSONL:LABEL")
+        sources.append((label, path))
+    try:
+        runs = [(label, _records(path)) for label, path in sources]
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
     plot(runs, args.png, args.title or args.jsonl)
 
 

@@ -82,7 +82,10 @@ class MetricsLogger:
 
 def read_step_records(path: str) -> dict[int, dict]:
     """The `{"step": ...}` records of a metrics JSONL by step (a resumed run's later record of a
-    step wins)."""
+    step wins). A file without any is an error: every reader would compare or draw nothing."""
     with open(path) as f:
         records = [parse_object(line, path, number) for number, line in enumerate(f, 1) if line.strip()]
-    return {r["step"]: r for r in records if "step" in r}
+    steps = {r["step"]: r for r in records if "step" in r}
+    if not steps:
+        raise ValueError(f"{path}: no step records")
+    return steps

@@ -44,8 +44,8 @@ def test_compare_metrics_ignores_timings_only():
     assert compare.differences(expected, {1: {"loss": 0.5, "time/step_s": 9.0}, 2: {"loss": 0.25}}) == []
     assert compare.differences(expected, {1: {"loss": 0.5}, 2: {"loss": 0.2500001}}) == [
         "step 2 loss: 0.25 != 0.2500001"]
-    assert compare.differences(expected, {1: {"loss": 0.5}}) == [
-        "steps differ: [2] in one file only"]
+    assert compare.differences(expected, {1: {"loss": 0.5}}) == ["steps of the reference missing here: [2]"]
+    assert compare.differences({1: {"loss": 0.5}}, expected) == ["steps not in the reference: [2]"]
     assert compare.differences({1: {"a": 1}}, {1: {"b": 1}}) == ["step 1 a: 1 != '<missing>'"]
     assert compare.added_metrics({1: {"a": 1}}, {1: {"a": 1, "b": 2}}) == ["b"]
 
@@ -54,4 +54,13 @@ def test_a_line_that_is_not_json_is_named_by_file_and_line(tmp_path):
     path = tmp_path / "m.jsonl"
     path.write_text('{"step": 1}\n\n{"step": 2, "x"\n')
     with pytest.raises(ValueError, match=r"m.jsonl:3: not JSON"):
+        read_step_records(str(path))
+
+
+def test_a_file_without_step_records_is_an_error(tmp_path):
+    """An empty or header-only file compared as "every reference value reproduced" and plotted
+    as empty axes."""
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"run": {"git_commit": "abc"}}\n')
+    with pytest.raises(ValueError, match=r"m.jsonl: no step records"):
         read_step_records(str(path))
