@@ -71,9 +71,15 @@ def load_case(path: str) -> Case:
     config_path = os.path.join(path, "model_config.yaml")
     with open(config_path) as f:
         config = yaml.safe_load(f)
+    if not isinstance(config, dict) or not isinstance(config.get("MODEL_ARGS"), dict):
+        raise ValueError(f"{config_path}: expected a mapping with MODEL_ARGS, a mapping of flags")
     test_type = config.get("TEST_TYPE", "regular")
     if test_type not in ("regular", "ckpt-resume"):
         raise ValueError(f"{config_path}: TEST_TYPE {test_type!r}: expected regular or ckpt-resume")
+    steps = config["MODEL_ARGS"].get("--train-iters")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < (2 if test_type == "ckpt-resume" else 1):
+        raise ValueError(f"{config_path}: MODEL_ARGS --train-iters {steps!r}: the case's step count is "
+                         "needed (an integer >= 1, >= 2 for ckpt-resume)")
     return Case(path, dict(config["MODEL_ARGS"]), dict(config.get("ENV_VARS") or {}), test_type)
 
 
@@ -168,8 +174,12 @@ def main() -> None:
     parser.add_argument("mode", choices=["regenerate", "check"])
     parser.add_argument("cases", nargs="*", help="case directories (default: all)")
     args = parser.parse_args()
+    try:
+        cases = _load_all(args.cases or all_cases(), args.mode)
+    except ValueError as exc:  # a bad case or golden file: its path and line, no traceback
+        parser.error(str(exc))
     failed = False
-    for case, golden in _load_all(args.cases or all_cases(), args.mode):
+    for case, golden in cases:
         resume = args.mode == "check" and case.test_type == "ckpt-resume"
         try:
             records = run_case(case, tempfile.mkdtemp(prefix="golden_"), resume)

@@ -92,3 +92,18 @@ def test_a_golden_file_that_is_not_json_is_named_with_its_line(tmp_path):
     (case / "golden_values_dev_h200.json").write_text('{"loss": {\n  "1": 0.5,\n}\n')
     with pytest.raises(ValueError, match=f"{case}/golden_values_dev_h200.json:3: not JSON"):
         golden_values._load_all([str(case)], "check")
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("TEST_TYPE: regular\n", "expected a mapping with MODEL_ARGS"),
+    ("", "expected a mapping with MODEL_ARGS"),
+    ("MODEL_ARGS: {--recipe: examples/recipes/tiny_sort.yaml}\n", "MODEL_ARGS --train-iters None"),
+    ("MODEL_ARGS: {--train-iters: '4'}\n", "MODEL_ARGS --train-iters '4'"),
+    ("TEST_TYPE: ckpt-resume\nMODEL_ARGS: {--train-iters: 1}\n", "MODEL_ARGS --train-iters 1"),
+])
+def test_a_case_without_its_step_count_is_refused_when_read(tmp_path, text, problem):
+    """Read for every case before any runs: a case that lacked --train-iters failed in its own run,
+    after the cases before it had used the GPU."""
+    (tmp_path / "model_config.yaml").write_text(text)
+    with pytest.raises(ValueError, match=f"{tmp_path}/model_config.yaml: {problem}"):
+        golden_values.load_case(str(tmp_path))
