@@ -61,11 +61,14 @@ def check_request_sizes(args: argparse.Namespace) -> None:
               for flag, (low, high) in (("--parity-prompt-lengths", args.parity_prompt_lengths),
                                         ("--parity-max-new-tokens", args.parity_max_new_tokens))
               if not 1 <= low <= high]
-    errors += [f"{flag} must be >= 1" for flag, value in (("--parity-requests", args.parity_requests),
-                                                          ("--parity-orders", args.parity_orders))
-               if value < 1]
+    counts = (("--parity-requests", args.parity_requests), ("--parity-orders", args.parity_orders),
+              ("--parity-vocab-size", args.parity_vocab_size),
+              ("--parity-micro-batch-tokens", args.parity_micro_batch_tokens))
+    errors += [f"{flag} must be >= 1" for flag, value in counts if value < 1]
     if args.parity_temperature <= 0:
         errors.append("--parity-temperature must be > 0")
+    if args.parity_output and not os.path.isdir(os.path.dirname(os.path.abspath(args.parity_output))):
+        errors.append(f"--parity-output {args.parity_output}: its directory does not exist")
     raise_if_invalid(errors)
     longest = args.parity_prompt_lengths[1] + args.parity_max_new_tokens[1]
     if longest > args.max_position_embeddings:
