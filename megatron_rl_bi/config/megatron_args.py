@@ -142,6 +142,16 @@ def validate_cuda_graphs(args: argparse.Namespace) -> None:
         raise ValueError("invalid CUDA graph arguments:\n  " + "\n  ".join(errors))
 
 
+def validate_save_interval(args: argparse.Namespace) -> None:
+    """--save needs --save-interval >= 1; Megatron's validate_args asserts it without a message."""
+    if not args.save:
+        return
+    if args.save_interval is None:
+        raise_if_invalid(["--save needs --save-interval N (steps between checkpoints)"])
+    if args.save_interval < 1:
+        raise_if_invalid([f"--save-interval must be >= 1 with --save, got {args.save_interval}"])
+
+
 def _provider(extra_args_provider):
     def provider(parser):
         parser = add_defaults(parser)
@@ -180,5 +190,6 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None) -> argpa
         sys.argv = saved_argv
     validate_batch_invariance(args)
     validate_cuda_graphs(args)
+    validate_save_interval(args)
     validate_args(args)
     return args

@@ -103,14 +103,18 @@ def _scan(argv: list[str], flag: str) -> str | None:
 
 def _recipe_value(action: argparse.Action, value):
     """`value` (each item of a list, for a multi-value flag) as the command line would have made
-    it: strings through the flag's type, numbers checked against it (12.5 is not an int), every
-    item against its choices."""
+    it: strings through the flag's type, numbers checked against it (12.5 is not an int), a string
+    flag given a string, every item against its choices; null is refused."""
     if isinstance(value, list) and action.nargs not in (None, 0, "?"):
         return [_recipe_item(action, item) for item in value]
     return _recipe_item(action, value)
 
 
 def _recipe_item(action: argparse.Action, value):
+    if value is None:  # `key: null` or an empty `key:`; the command line cannot give None either
+        raise ValueError("null is not a value (leave the key out to keep the default)")
+    if action.type in (None, str) and not isinstance(value, str):
+        raise ValueError(f"{value!r} is not a string")
     if isinstance(value, str) and action.type is not None:
         value = action.type(value)
     elif action.type is int and (isinstance(value, bool) or not isinstance(value, int)):
@@ -162,7 +166,7 @@ def load_recipe(path: str, parser: argparse.ArgumentParser) -> dict:
             values.update(_switch_value(action, name, value, flag_form="--" + name in by_flag))
             continue
         try:
-            values[action.dest] = value if value is None else _recipe_value(action, value)
+            values[action.dest] = _recipe_value(action, value)
         except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
             raise ValueError(f"{path}: '{key}': {exc}") from exc
     return values
@@ -220,16 +224,41 @@ def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# Sizes and counts (>= 1), and the intervals, counts, rates and durations where 0 means off or
+# none (>= 0): a negative interval would fire at every step. --save-interval is Megatron's check
+# (validate_save_interval).
+AT_LEAST_ONE = ("grpo_prompts_per_step", "grpo_iterations", "rl_max_new_tokens", "rl_micro_batch_tokens",
+                "train_iters", "rl_sft_batch_size", "rl_dynamic_sampling_max_rounds")
+NOT_NEGATIVE = ("rl_sft_warmup_steps", "rl_keep_last_k", "rl_sft_lr", "rl_overlong_penalty",
+                "save_hf_interval", "eval_interval", "exit_interval", "exit_duration_in_mins")
+
+
+def bound_errors(args: argparse.Namespace) -> list[str]:
+    """An error for each flag of AT_LEAST_ONE and NOT_NEGATIVE below its minimum (NaN too); a flag
+    left unset (None) is not checked."""
+    errors = []
+    for minimum, destinations in ((1, AT_LEAST_ONE), (0, NOT_NEGATIVE)):
+        for dest in destinations:
+            value = getattr(args, dest)
+            if value is not None and not value >= minimum:
+                errors.append(f"--{dest.replace('_', '-')} must be >= {minimum}, got {value}")
+    return errors
+
+
+def dataset_file_errors(args: argparse.Namespace) -> list[str]:
+    """An error for each JSONL flag whose path is not a file (its lines are checked when read)."""
+    errors = []
+    for flag, path in (("--rl-dataset", args.rl_dataset), ("--rl-eval-dataset", args.rl_eval_dataset)):
+        if path and os.path.isdir(path):
+            errors.append(f"{flag} {path}: is a directory")
+        elif path and not os.path.exists(path):
+            errors.append(f"{flag} {path}: no such file")
+    return errors
+
+
 def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
     """One ValueError listing every bad RL flag (and `errors` found elsewhere)."""
-    errors = list(errors)
-    for flag in ("grpo_group_size", "grpo_prompts_per_step", "grpo_iterations",
-                 "rl_max_new_tokens", "rl_micro_batch_tokens", "train_iters", "rl_sft_batch_size",
-                 "rl_dynamic_sampling_max_rounds"):
-        if getattr(args, flag) is None or getattr(args, flag) < 1:
-            errors.append(f"--{flag.replace('_', '-')} must be >= 1")
-    if args.rl_sft_warmup_steps < 0:
-        errors.append("--rl-sft-warmup-steps must be >= 0")
+    errors = [*errors, *bound_errors(args), *dataset_file_errors(args)]
     if args.rl_dataset and args.rl_task != "jsonl":
         errors.append(f"--rl-dataset is read by --rl-task jsonl only (the task is {args.rl_task})")
     early_exit = [flag for flag, value in (("--exit-interval", args.exit_interval),
@@ -255,8 +284,6 @@ def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
     if args.load and not os.path.isdir(args.load):
         errors.append(f"--load {args.load}: no such directory (an existing empty directory starts "
                       "a fresh run)")
-    if args.rl_keep_last_k < 0:
-        errors.append("--rl-keep-last-k must be >= 0")
     if bool(args.eval_interval) != bool(args.rl_eval_dataset):
         errors.append("--eval-interval and --rl-eval-dataset go together")
     if args.rl_default_top_k > 0 or args.rl_default_top_p > 0:

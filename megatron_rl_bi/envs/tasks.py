@@ -4,6 +4,7 @@ rank, and its position is part of the RL checkpoint.
 """
 
 import functools
+import math
 import random
 import string
 from collections.abc import Callable
@@ -62,17 +63,17 @@ class CountdownTask:
 
 
 class JsonlTask:
-    """One JSON object per line with string fields 'prompt' and 'answer'; math verifier.
-    Every line is checked when the file is opened: a bad line fails with FILE:LINE."""
+    """One JSON object per line, UTF-8, with fields 'prompt' (a string) and 'answer' (a string or
+    a JSON number); math verifier. Every line is checked when the file is opened: a bad line
+    fails with FILE:LINE."""
 
     def __init__(self, path: str):
         self.path, self.examples, self.line_numbers = path, [], []
-        with open(path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                self.examples.append(_parse_line(path, line_number, line))
-                self.line_numbers.append(line_number)
+        for line_number, line in _utf8_lines(path):
+            if not line.strip():
+                continue
+            self.examples.append(_parse_line(path, line_number, line))
+            self.line_numbers.append(line_number)
         if not self.examples:
             raise ValueError(f"{path}: no examples")
         self.size = len(self.examples)
@@ -95,13 +96,37 @@ class JsonlTask:
                                  "--inference-dynamic-batching-max-tokens)")
 
 
+def _utf8_lines(path: str):
+    """(line number, text) for each line of `path`; a line that is not UTF-8 fails with FILE:LINE."""
+    with open(path, "rb") as f:  # decoded line by line, so that an error knows its line
+        for line_number, raw_line in enumerate(f, start=1):
+            try:
+                yield line_number, raw_line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}:{line_number}: not UTF-8 ({exc.reason} at byte "
+                                 f"{exc.start + 1} of the line)") from None
+
+
+def _answer_text(value) -> str | None:
+    """A record's answer as text: a non-empty string, or a finite JSON number as Python writes it
+    (3, -0.5, 1e+21: the math verifier compares numbers exactly); None for anything else."""
+    if isinstance(value, str):
+        return value or None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float) and math.isfinite(value):  # json reads NaN and Infinity too
+        return str(value)
+    return None
+
+
 def _parse_line(path: str, line_number: int, line: str) -> Example:
     where = f"{path}:{line_number}"
     record = parse_object(line, path, line_number)
-    for key in ("prompt", "answer"):
-        if not isinstance(record.get(key), str) or not record[key]:
-            raise ValueError(f"{where}: field '{key}' must be a non-empty string")
-    answer = record["answer"]
+    if not isinstance(record.get("prompt"), str) or not record["prompt"]:
+        raise ValueError(f"{where}: field 'prompt' must be a non-empty string")
+    answer = _answer_text(record.get("answer"))
+    if answer is None:
+        raise ValueError(f"{where}: field 'answer' must be a non-empty string or a finite number")
     return Example(
         prompt=record["prompt"],
         answer=answer,

@@ -141,3 +141,10 @@ def test_gradient_accumulation_fusion_off_without_apex(monkeypatch, te):
     assert parse_args(MODEL + ["--transformer-impl", "local"]).gradient_accumulation_fusion is False
     monkeypatch.setattr(compat, "apex_gradient_accumulation_fusion_installed", lambda: True)
     assert parse_args(MODEL + ["--transformer-impl", "local"]).gradient_accumulation_fusion is True
+
+
+def test_save_interval_is_named_before_megatrons_bare_assert(tmp_path):
+    assert "--save needs --save-interval N" in errors_for("--save", str(tmp_path))
+    message = errors_for("--save", str(tmp_path), "--save-interval", "-2")
+    assert "--save-interval must be >= 1 with --save, got -2" in message
+    assert parse_args(MODEL + ["--save", str(tmp_path), "--save-interval", "3"]).save_interval == 3

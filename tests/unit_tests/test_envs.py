@@ -82,6 +82,11 @@ def test_jsonl_reads_and_shuffles_per_epoch(tmp_path):
         ('["a"]', "d.jsonl:2: expected a JSON object, got list"),
         ('{"prompt": "p"}', "d.jsonl:2: field 'answer' must be a non-empty string"),
         ('{"prompt": 3, "answer": "1"}', "d.jsonl:2: field 'prompt' must be a non-empty string"),
+        ('{"prompt": "p", "answer": true}', "d.jsonl:2: field 'answer' must be a non-empty string or a finite number"),
+        ('{"prompt": "p", "answer": NaN}', "d.jsonl:2: field 'answer' must be a non-empty string or a finite number"),
+        ('{"prompt": "p", "answer": -Infinity}', "d.jsonl:2: field 'answer' must be"),
+        ('{"prompt": "p", "answer": [1]}', "d.jsonl:2: field 'answer' must be"),
+        ('{"prompt": "p", "answer": ""}', "d.jsonl:2: field 'answer' must be"),
     ],
 )
 def test_jsonl_malformed_line_names_file_and_line(tmp_path, line, message):
@@ -89,6 +94,32 @@ def test_jsonl_malformed_line_names_file_and_line(tmp_path, line, message):
     path.write_text('{"prompt": "p", "answer": "1"}\n' + line + "\n")
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         build_task("jsonl", 0, str(path))
+
+
+def test_jsonl_number_answers_are_compared_as_numbers(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "abc", "answer": 3}\n{"prompt": "half", "answer": -0.5}\n'
+                    '{"prompt": "big", "answer": 1e21}\n')
+    task = build_task("jsonl", 0, str(path))
+    assert [e.answer for e in task.examples] == ["3", "-0.5", "1e+21"]
+    three, half, big = task.examples
+    assert three.verify("so \\boxed{3}") == 1.0 and three.verify("3.5") == 0.0
+    assert half.verify("it is -1/2") == 1.0
+    assert big.verify("1,000,000,000,000,000,000,000") == 1.0
+
+
+def test_jsonl_that_is_not_utf8_names_the_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "p", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:2: not UTF-8 \(invalid continuation byte at byte 16"):
+        build_task("jsonl", 0, str(path))
+
+
+def test_jsonl_windows_line_ends_read_as_lines(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "p", "answer": "1"}\r\n\r\n{"prompt": "q", "answer": "2"}\r\n')
+    task = build_task("jsonl", 0, str(path))
+    assert [e.prompt for e in task.examples] == ["p", "q"] and task.line_numbers == [1, 3]
 
 
 def test_unknown_task_and_missing_dataset():

@@ -48,3 +48,23 @@ def test_hf_flags_that_need_each_other(tmp_path):
     assert "--eval-interval and --rl-eval-dataset go together" in message
     with pytest.raises(ValueError, match="both give the starting weights"):
         parse_rl_args(["--hf-checkpoint", str(tmp_path / "hf"), "--pretrained-checkpoint", "x"])
+
+
+def test_math_recipe_names_missing_and_directory_datasets(tmp_path):
+    save_qwen3(str(tmp_path / "hf"))
+    with pytest.raises(ValueError) as info:
+        parse_rl_args(["--recipe", str(RECIPES / "qwen3_math_dapo.yaml"), "--hf-checkpoint", str(tmp_path / "hf"),
+                       "--rl-dataset", str(tmp_path / "typo.jsonl"), "--rl-eval-dataset", str(tmp_path),
+                       "--eval-interval", "5", "--save", str(tmp_path / "ckpt"), "--save-hf", str(tmp_path / "out")])
+    message = str(info.value)
+    assert f"--rl-dataset {tmp_path}/typo.jsonl: no such file" in message
+    assert f"--rl-eval-dataset {tmp_path}: is a directory" in message
+
+
+def test_a_recipes_null_or_non_string_dataset_is_named(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    for text, expected in (("rl-task: jsonl\nrl-dataset: 5\n", "'rl-dataset': 5 is not a string"),
+                           ("rl-task: jsonl\nrl-dataset:\n", "'rl-dataset': null is not a value")):
+        recipe.write_text(text)
+        with pytest.raises(ValueError, match=f"^{recipe}: {expected}"):
+            parse_rl_args(["--recipe", str(recipe)])

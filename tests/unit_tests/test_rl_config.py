@@ -178,6 +178,16 @@ def test_a_recipe_switch_set_false_undoes_the_preset(tmp_path):
     ("hidden-size: abc", "'hidden-size': invalid literal for int()"),
     ("rl-task: sorting", "'rl-task': 'sorting' is not one of"),
     ("lr: fast", "'lr': could not convert string to float"),
+    ("grpo-kl-beta: null", "'grpo-kl-beta': null is not a value"),
+    ("rl-overlong-buffer:", "'rl-overlong-buffer': null is not a value"),  # an empty value is null
+    ("rl-default-temperature: null", "'rl-default-temperature': null is not a value"),
+    ("rl-keep-last-k:", "'rl-keep-last-k': null is not a value"),
+    ("rl-sft-warmup-steps: null", "'rl-sft-warmup-steps': null is not a value"),
+    ("rl-sft-lr: null", "'rl-sft-lr': null is not a value"),
+    ("rl-tokenizer: 5", "'rl-tokenizer': 5 is not a string"),
+    ("rl-reward-fn: 5", "'rl-reward-fn': 5 is not a string"),
+    ("hybrid-layer-pattern: 5", "'hybrid-layer-pattern': 5 is not a string"),
+    ("rl-metrics-jsonl: [a, b]", "'rl-metrics-jsonl': ['a', 'b'] is not a string"),
 ])
 def test_recipe_values_are_checked_as_the_command_line_checks_them(tmp_path, line, expected):
     recipe = tmp_path / "r.yaml"
@@ -233,3 +243,36 @@ def test_every_switch_form_takes_true_or_false_only(tmp_path, line):
     recipe.write_text(line + "\n")
     with pytest.raises(ValueError, match="is a switch; give true or false"):
         parse_rl_args(MODEL + ["--recipe", str(recipe)])
+
+
+def test_negative_intervals_counts_and_rates_are_named():
+    """A negative interval would fire at every step (step % -1 == 0), a negative duration at once."""
+    with pytest.raises(ValueError) as info:
+        parse_rl_args(MODEL + ["--save-hf-interval", "-1", "--eval-interval", "-1", "--exit-interval", "-3",
+                               "--exit-duration-in-mins", "-2", "--rl-sft-lr", "-1", "--rl-overlong-penalty",
+                               "-0.5", "--rl-keep-last-k", "-1", "--train-iters", "0"])
+    message = str(info.value)
+    for expected in ("--save-hf-interval must be >= 0, got -1", "--eval-interval must be >= 0, got -1",
+                     "--exit-interval must be >= 0, got -3", "--exit-duration-in-mins must be >= 0, got -2",
+                     "--rl-sft-lr must be >= 0, got -1.0", "--rl-overlong-penalty must be >= 0, got -0.5",
+                     "--rl-keep-last-k must be >= 0, got -1", "--train-iters must be >= 1, got 0"):
+        assert expected in message
+    with pytest.raises(ValueError, match="--rl-sft-lr must be >= 0, got nan"):
+        parse_rl_args(MODEL + ["--rl-sft-lr", "nan"])
+
+
+def test_a_recipes_negative_interval_is_named(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("eval-interval: -1\n")
+    with pytest.raises(ValueError, match="--eval-interval must be >= 0, got -1"):
+        parse_rl_args(MODEL + ["--recipe", str(recipe)])
+
+
+@pytest.mark.parametrize("flags", [["--rl-task", "jsonl", "--rl-dataset"],
+                                   ["--eval-interval", "5", "--rl-eval-dataset"]])
+def test_missing_dataset_files_and_directories_are_named(tmp_path, flags):
+    flag = flags[-1]
+    with pytest.raises(ValueError, match=f"{flag} {tmp_path}/none.jsonl: no such file"):
+        parse_rl_args(MODEL + flags + [str(tmp_path / "none.jsonl")])
+    with pytest.raises(ValueError, match=f"{flag} {tmp_path}: is a directory"):
+        parse_rl_args(MODEL + flags + [str(tmp_path)])
