@@ -22,20 +22,58 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_rl_bi import bi  # noqa: E402
 from megatron_rl_bi.checkpoints.hf import export_hf, load_hf_weights, read_hf_model  # noqa: E402
+from megatron_rl_bi.checkpoints.hf.files import check_export_dir  # noqa: E402
 from megatron_rl_bi.checkpoints.hf.verify import verify  # noqa: E402
-from megatron_rl_bi.checkpoints.megatron import load_pretrained_weights, save_weights  # noqa: E402
-from megatron_rl_bi.config import parse_rl_args, validate_installed_kernels  # noqa: E402
+from megatron_rl_bi.checkpoints.megatron import (  # noqa: E402
+    check_weights_dir,
+    load_pretrained_weights,
+    resolve_checkpoint_dir,
+    save_weights,
+)
+from megatron_rl_bi.config import (  # noqa: E402
+    add_hf_args,
+    add_rl_args,
+    build_parser,
+    parse_rl_args,
+    validate_installed_kernels,
+)
+from megatron_rl_bi.config.rl_args import load_recipe  # noqa: E402
 from megatron_rl_bi.distributed import initialize_distributed  # noqa: E402
 from megatron_rl_bi.models.build import build_model  # noqa: E402
 
 MODES = ("import", "export", "verify")
 
 
-# The flags each mode needs besides --hf-checkpoint, and what for.
-NEEDED = {"import": {"save": "--save OUT (the Megatron checkpoint written)"},
-          "export": {"load": "--load RUN/checkpoints (the checkpoint exported)",
+# The flags each mode needs, and what for.
+HF_CHECKPOINT = {"hf_checkpoint": "--hf-checkpoint DIR (the architecture, and the source of import)"}
+NEEDED = {"import": {**HF_CHECKPOINT, "save": "--save OUT (the Megatron checkpoint written)"},
+          "export": {**HF_CHECKPOINT, "load": "--load RUN/checkpoints (the checkpoint exported)",
                      "save_hf": "--save-hf OUT (the HF directory written)"},
-          "verify": {}}
+          "verify": HF_CHECKPOINT}
+
+
+def check_mode_flags(mode: str, argv: list[str]) -> None:
+    """The flags `mode` needs, on the command line or in its --recipe. Checked before
+    parse_rl_args: without --hf-checkpoint Megatron's own checks fail first, on the model flags
+    the checkpoint would have given."""
+    parser = build_parser(lambda p: add_hf_args(add_rl_args(p)))
+    given, _ = parser.parse_known_args(argv)
+    recipe = load_recipe(given.recipe, parser) if given.recipe else {}
+    missing = [why for dest, why in NEEDED[mode].items() if not (getattr(given, dest) or recipe.get(dest))]
+    if missing:
+        raise ValueError(f"convert_hf.py {mode} needs " + "; ".join(missing))
+
+
+def check_paths(mode: str, args) -> None:
+    """Before the model is built on the GPU: the checkpoint exported exists, and the directory
+    written replaces nothing but an earlier output of its kind."""
+    if mode == "export":
+        resolve_checkpoint_dir(args.load, "--load")
+        if os.path.realpath(args.save_hf) == os.path.realpath(args.hf_checkpoint):
+            raise ValueError(f"--save-hf {args.save_hf}: is --hf-checkpoint, the source; choose another directory")
+        check_export_dir(args.save_hf)
+    if mode == "import":
+        check_weights_dir(args.save)
 
 
 def main() -> None:
@@ -44,18 +82,20 @@ def main() -> None:
         return
     if len(sys.argv) < 2 or sys.argv[1] not in MODES:
         raise SystemExit(f"usage: convert_hf.py {{{','.join(MODES)}}} --hf-checkpoint DIR [flags]")
-    mode, args = sys.argv[1], parse_rl_args(sys.argv[2:])
-    missing = ["--hf-checkpoint DIR (the architecture, and the source of import)"] * (not args.hf_checkpoint)
-    missing += [why for dest, why in NEEDED[mode].items() if not getattr(args, dest)]
-    if missing:
-        raise ValueError(f"convert_hf.py {mode} needs " + "; ".join(missing))
+    mode, argv = sys.argv[1], sys.argv[2:]
+    if mode == "import" and "--save-interval" not in argv:  # one checkpoint; Megatron wants it with --save
+        argv += ["--save-interval", "1"]
+    if not {"-h", "--help"} & set(argv):  # MODE --help: pretrain_rl.py's flags, from parse_rl_args
+        check_mode_flags(mode, argv)
+    args = parse_rl_args(argv)
+    check_paths(mode, args)
     validate_installed_kernels(args)
     hf = read_hf_model(args.hf_checkpoint)
     initialize_distributed(args.seed)
     with bi.batch_invariant(args.batch_invariant_mode):
         model = build_model(args, hf.vocab_size)
         if mode == "export":
-            load_pretrained_weights(args.load, model)
+            load_pretrained_weights(args.load, model, "--load")
             export_hf(model, hf, args.save_hf)
         else:
             load_hf_weights(model, hf)

@@ -24,8 +24,14 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
 
+from megatron_rl_bi.checkpoints.hf.files import check_replaceable
+
 LATEST = "latest_checkpointed_iteration.txt"
 RL_STATE = "rl_state.pt"
+# The files of a torch_dist checkpoint directory: metadata.json (dist_checkpointing's), .metadata
+# and the *.distcp shards (torch.distributed.checkpoint's), common.pt (older megatron-core),
+# integrity.json (saves with verify_integrity).
+DIST_CHECKPOINT_FILES = ("metadata.json", ".metadata", "common.pt", "integrity.json")
 
 
 def iteration_dir_name(step: int) -> str:
@@ -199,14 +205,15 @@ def load_checkpoint(load_dir: str, ddp, optimizer, load_optimizer: bool = True) 
     return mine
 
 
-def resolve_checkpoint_dir(path: str) -> str:
-    """A Megatron torch_dist checkpoint directory from PATH: the directory itself (it holds
-    metadata.json), or the one PATH/latest_checkpointed_iteration.txt names (iter_N or release)."""
+def resolve_checkpoint_dir(path: str, flag: str = "--pretrained-checkpoint") -> str:
+    """A Megatron torch_dist checkpoint directory from PATH (given as `flag`): the directory
+    itself (it holds metadata.json), or the one PATH/latest_checkpointed_iteration.txt names
+    (iter_N or release)."""
     if os.path.exists(os.path.join(path, "metadata.json")):
         return path
     latest = os.path.join(path, LATEST)
     if not os.path.exists(latest):
-        raise ValueError(f"--pretrained-checkpoint {path}: neither a dist checkpoint "
+        raise ValueError(f"{flag} {path}: neither a dist checkpoint "
                          f"(no metadata.json) nor a checkpoint root (no {LATEST})")
     with open(latest) as f:
         tag = f.read().strip()
@@ -216,9 +223,20 @@ def resolve_checkpoint_dir(path: str) -> str:
     return os.path.join(path, name)
 
 
+def _is_dist_checkpoint_file(name: str) -> bool:
+    return name in DIST_CHECKPOINT_FILES or name.endswith(".distcp")
+
+
+def check_weights_dir(path: str) -> None:
+    """`path` may become a weights checkpoint (tools/convert_hf.py import --save): absent, empty,
+    or an earlier torch_dist checkpoint."""
+    check_replaceable(path, "--save", "a torch_dist checkpoint", _is_dist_checkpoint_file)
+
+
 def save_weights(model, path: str) -> None:
     """Model weights only, as a torch_dist checkpoint directory that --pretrained-checkpoint
-    reads; written to `path.tmp` and renamed when complete."""
+    reads; written to `path.tmp` and renamed when complete, replacing only an earlier one."""
+    check_weights_dir(path)  # on every rank: all raise, none waits at the barrier
     metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
     tmp = path.rstrip("/") + ".tmp"
     if torch.distributed.get_rank() == 0:
@@ -232,10 +250,11 @@ def save_weights(model, path: str) -> None:
     torch.distributed.barrier()
 
 
-def load_pretrained_weights(path: str, model) -> None:
-    """Model weights only (no optimizer, no RL state) from a Megatron torch_dist checkpoint."""
+def load_pretrained_weights(path: str, model, flag: str = "--pretrained-checkpoint") -> None:
+    """Model weights only (no optimizer, no RL state) from a Megatron torch_dist checkpoint
+    (`path`, given as `flag`)."""
     metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
     bare = unwrap_model(model)
     state = dist_checkpointing.load({"model": bare.sharded_state_dict(metadata=metadata)},
-                                    resolve_checkpoint_dir(path))
+                                    resolve_checkpoint_dir(path, flag))
     bare.load_state_dict(state["model"])

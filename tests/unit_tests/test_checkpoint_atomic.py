@@ -122,3 +122,39 @@ def test_python_and_torch_rng_states_load_without_pickle(tmp_path):
     rng = checkpoint.read_rl_state(str(tmp_path))[0]["rng"]
     random.setstate(rng["python"])
     assert torch.equal(rng["torch"], torch.get_rng_state())
+
+
+class _Weights:
+    def sharded_state_dict(self, metadata):
+        return {"w": torch.ones(2)}
+
+
+def test_save_weights_replaces_nothing_but_an_earlier_checkpoint(tmp_path, gloo_group, monkeypatch):
+    def save(state, directory):  # the files a torch_dist save writes
+        for name in ("__0_0.distcp", ".metadata", "metadata.json"):
+            open(os.path.join(directory, name), "w").close()
+
+    monkeypatch.setattr(checkpoint.dist_checkpointing, "save", save)
+    monkeypatch.setattr(checkpoint.parallel_state, "get_data_parallel_group", lambda **k: None)
+    out = tmp_path / "weights"
+    for _ in range(2):  # written, then written again over itself
+        checkpoint.save_weights(_Weights(), str(out))
+    assert sorted(os.listdir(out)) == [".metadata", "__0_0.distcp", "metadata.json"]
+    (tmp_path / "empty").mkdir()
+    checkpoint.save_weights(_Weights(), str(tmp_path / "empty"))
+
+    run = tmp_path / "run"
+    (run / "iter_0000005").mkdir(parents=True)
+    (run / checkpoint.LATEST).write_text("5")
+    with pytest.raises(ValueError, match=r"^--save .*run: exists and holds files that are not a torch_dist "
+                                         r"checkpoint \(iter_0000005/, latest_checkpointed_iteration.txt\)"):
+        checkpoint.save_weights(_Weights(), str(run))
+    assert sorted(os.listdir(run)) == ["iter_0000005", checkpoint.LATEST]
+    assert not os.path.exists(str(run) + ".tmp")
+
+
+def test_a_missing_pretrained_checkpoint_names_the_callers_flag(tmp_path):
+    with pytest.raises(ValueError, match=r"^--pretrained-checkpoint .*: neither a dist checkpoint"):
+        checkpoint.resolve_checkpoint_dir(str(tmp_path))
+    with pytest.raises(ValueError, match=r"^--load .*: neither a dist checkpoint"):
+        checkpoint.resolve_checkpoint_dir(str(tmp_path), "--load")

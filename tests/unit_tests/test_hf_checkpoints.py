@@ -196,3 +196,79 @@ def test_a_bad_shard_index_names_the_file(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"cut")
     with pytest.raises(ValueError, match="model.safetensors: not a safetensors file"):
         SafetensorsReader(str(tmp_path))
+
+
+def test_an_export_replaces_nothing_but_an_earlier_export(tmp_path):
+    from safetensors.torch import load_file
+
+    from megatron_rl_bi.checkpoints.hf.files import write_checkpoint
+
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "tokenizer.json").write_text("{}")
+    out = tmp_path / "out" / "iter_0000005"
+    for value in (1.0, 2.0):  # a periodic export written again replaces the earlier one
+        write_checkpoint(str(out), {"w": torch.full((2,), value)}, {"model_type": "qwen3"}, str(source))
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert torch.equal(load_file(str(out / "model.safetensors"))["w"], torch.full((2,), 2.0))
+    (tmp_path / "empty").mkdir()
+    write_checkpoint(str(tmp_path / "empty"), {"w": torch.ones(2)}, {}, str(source))
+
+    run = tmp_path / "run"
+    (run / "important").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"^--save-hf .*run: exists and holds files that are not an HF "
+                                         r"export \(important/, notes.txt\); choose a new or empty"):
+        write_checkpoint(str(run), {"w": torch.ones(2)}, {}, str(source))
+    assert sorted(os.listdir(run)) == ["config.json", "important", "notes.txt"]
+    assert not os.path.exists(str(run) + ".tmp")
+    with pytest.raises(ValueError, match="notes.txt: exists and is not a directory"):
+        write_checkpoint(str(run / "notes.txt"), {"w": torch.ones(2)}, {}, str(source))
+
+
+def _convert_hf(monkeypatch, *argv: str):
+    """tools/convert_hf.py's main on `argv`, failing the test if it gets as far as the model."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "tools", "convert_hf.py")
+    spec = importlib.util.spec_from_file_location("convert_hf", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    for name in ("validate_installed_kernels", "initialize_distributed", "build_model"):
+        monkeypatch.setattr(tool, name, lambda *a, name=name: pytest.fail(f"reached {name}"))
+    monkeypatch.setattr(sys, "argv", ["convert_hf.py", *argv])
+    tool.main()
+
+
+def test_convert_hf_names_the_missing_flags_before_megatron_checks_the_model(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"^convert_hf.py import needs --hf-checkpoint DIR .*; --save OUT"):
+        _convert_hf(monkeypatch, "import")
+    with pytest.raises(ValueError, match=r"^convert_hf.py verify needs --hf-checkpoint DIR \("):
+        _convert_hf(monkeypatch, "verify", "--bf16")
+    save_qwen3(str(tmp_path / "hf"))
+    (tmp_path / "recipe.yaml").write_text(f"hf-checkpoint: {tmp_path / 'hf'}\n")  # a recipe gives it
+    with pytest.raises(ValueError, match=r"^convert_hf.py export needs --load RUN/checkpoints .*; --save-hf OUT"):
+        _convert_hf(monkeypatch, "export", "--recipe", str(tmp_path / "recipe.yaml"))
+
+
+def test_convert_hf_checks_its_directories_before_building_the_model(tmp_path, monkeypatch):
+    save_qwen3(str(tmp_path / "hf"))
+    run = tmp_path / "run"
+    (run / "important").mkdir(parents=True)
+    (tmp_path / "checkpoint").mkdir()
+    hf = ["--hf-checkpoint", str(tmp_path / "hf")]
+    with pytest.raises(ValueError, match=r"^--save .*run: exists and holds files that are not a torch_dist "
+                                         r"checkpoint \(important/\)"):
+        _convert_hf(monkeypatch, "import", *hf, "--save", str(run))  # --save-interval: the tool's own 1
+    with pytest.raises(ValueError, match=r"^--load .*checkpoint: neither a dist checkpoint"):
+        _convert_hf(monkeypatch, "export", *hf, "--load", str(tmp_path / "checkpoint"), "--save-hf", str(run))
+    (tmp_path / "checkpoint" / "metadata.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"^--save-hf .*run: exists and holds files that are not an HF "
+                                         r"export \(important/\)"):
+        _convert_hf(monkeypatch, "export", *hf, "--load", str(tmp_path / "checkpoint"), "--save-hf", str(run))
+    assert os.listdir(run) == ["important"]
+    with pytest.raises(ValueError, match=r"^--save-hf .*hf: is --hf-checkpoint, the source"):
+        _convert_hf(monkeypatch, "export", *hf, "--load", str(tmp_path / "checkpoint"), "--save-hf",
+                    str(tmp_path / "hf"))

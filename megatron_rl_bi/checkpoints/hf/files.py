@@ -1,5 +1,6 @@
 """Safetensors checkpoints on disk: reading tensors by name across shards, and writing a
-directory atomically (shards + index + the source's config and tokenizer files)."""
+directory atomically (shards + index + the source's config and tokenizer files) where it
+replaces nothing but an earlier export."""
 
 import json
 import os
@@ -83,10 +84,39 @@ def _shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict
     return shards + ([current] if current else [])
 
 
+def check_replaceable(path: str, flag: str, kind: str, is_output_file) -> None:
+    """Refuses `path` (given as `flag`) unless it is absent, empty, or holds only files that
+    `is_output_file(name)` says an earlier output of `kind` has: replacing it deletes the whole
+    directory, and a user's directory (a run directory, say) must not go with it."""
+    if not os.path.exists(path):
+        return
+    if not os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: exists and is not a directory; choose a new or empty directory")
+    foreign = [name + "/" if os.path.isdir(os.path.join(path, name)) else name
+               for name in sorted(os.listdir(path))
+               if not (os.path.isfile(os.path.join(path, name)) and is_output_file(name))]
+    if foreign:
+        listed = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise ValueError(f"{flag} {path}: exists and holds files that are not {kind} ({listed}); "
+                         "choose a new or empty directory")
+
+
+def _is_export_file(name: str) -> bool:
+    """A file `write_checkpoint` writes."""
+    return name in ("config.json", INDEX, *TOKENIZER_FILES) or name.endswith(".safetensors")
+
+
+def check_export_dir(path: str) -> None:
+    """`path` may become an HF export: absent, empty, or an earlier export (periodic --save-hf
+    exports replace their own)."""
+    check_replaceable(path, "--save-hf", "an HF export", _is_export_file)
+
+
 def write_checkpoint(out_dir: str, tensors: dict[str, torch.Tensor], config: dict,
                      source_dir: str, max_shard_bytes: int = 5 << 30) -> None:
     """Writes `out_dir` whole or not at all: everything goes to `out_dir.tmp`, which replaces
-    `out_dir` only when complete (an existing `out_dir` is kept until then)."""
+    `out_dir` only when complete (an existing `out_dir`, an earlier export, is kept until then)."""
+    check_export_dir(out_dir)
     tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
