@@ -7,12 +7,14 @@ with '_' or '-') < the command line; a model flag that contradicts the checkpoin
 """
 
 import argparse
+import importlib.util
 import os
 import sys
 
 import yaml
 
 from megatron_rl_bi.checkpoints.hf.config import megatron_flags, read_hf_model
+from megatron_rl_bi.checkpoints.megatron import resolve_checkpoint_dir
 from megatron_rl_bi.config.hf_args import add_hf_args, checkpoint_flag_errors
 from megatron_rl_bi.config.megatron_args import parse_args, raise_if_invalid
 
@@ -245,20 +247,36 @@ def bound_errors(args: argparse.Namespace) -> list[str]:
     return errors
 
 
-def dataset_file_errors(args: argparse.Namespace) -> list[str]:
-    """An error for each JSONL flag whose path is not a file (its lines are checked when read)."""
+def input_path_errors(args: argparse.Namespace) -> list[str]:
+    """An error for each JSONL flag whose path is not a file (its lines are checked when read),
+    and for a --pretrained-checkpoint that is no checkpoint: found now, not after the model is
+    built on the GPU."""
     errors = []
     for flag, path in (("--rl-dataset", args.rl_dataset), ("--rl-eval-dataset", args.rl_eval_dataset)):
         if path and os.path.isdir(path):
             errors.append(f"{flag} {path}: is a directory")
         elif path and not os.path.exists(path):
             errors.append(f"{flag} {path}: no such file")
+    if args.pretrained_checkpoint:
+        try:
+            resolve_checkpoint_dir(args.pretrained_checkpoint)
+        except (OSError, ValueError) as exc:
+            errors.append(str(exc))
     return errors
+
+
+def logger_package_errors(args: argparse.Namespace) -> list[str]:
+    """The metrics sinks asked for whose packages are missing (imported only when the logger is
+    built, after the model and the engine)."""
+    return [f"{flag} needs `pip install {package}`"
+            for flag, value, package in (("--tensorboard-dir", args.tensorboard_dir, "tensorboard"),
+                                         ("--wandb-project", args.wandb_project, "wandb"))
+            if value and importlib.util.find_spec(package) is None]
 
 
 def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
     """One ValueError listing every bad RL flag (and `errors` found elsewhere)."""
-    errors = [*errors, *bound_errors(args), *dataset_file_errors(args)]
+    errors = [*errors, *bound_errors(args), *input_path_errors(args), *logger_package_errors(args)]
     if args.rl_dataset and args.rl_task != "jsonl":
         errors.append(f"--rl-dataset is read by --rl-task jsonl only (the task is {args.rl_task})")
     early_exit = [flag for flag, value in (("--exit-interval", args.exit_interval),

@@ -1,5 +1,7 @@
 """RL flags: presets, recipes and validation (CPU, before any GPU work)."""
 
+import importlib.util
+
 import pytest
 
 from megatron_rl_bi.config import parse_rl_args
@@ -276,3 +278,18 @@ def test_missing_dataset_files_and_directories_are_named(tmp_path, flags):
         parse_rl_args(MODEL + flags + [str(tmp_path / "none.jsonl")])
     with pytest.raises(ValueError, match=f"{flag} {tmp_path}: is a directory"):
         parse_rl_args(MODEL + flags + [str(tmp_path)])
+
+
+def test_inputs_the_gpu_work_would_fail_on_late_are_named_at_parse_time(tmp_path, monkeypatch):
+    """A missing --pretrained-checkpoint, or a metrics sink whose package is missing, failed only
+    after the model (and the engine) were built."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("wandb", "tensorboard") else find_spec(name, *a))
+    with pytest.raises(ValueError) as info:
+        parse_rl_args(MODEL + ["--pretrained-checkpoint", str(tmp_path / "typo"), "--wandb-project", "p",
+                               "--tensorboard-dir", str(tmp_path / "tb")])
+    for expected in (f"--pretrained-checkpoint {tmp_path / 'typo'}: neither a dist checkpoint",
+                     "--wandb-project needs `pip install wandb`",
+                     "--tensorboard-dir needs `pip install tensorboard`"):
+        assert expected in str(info.value)
