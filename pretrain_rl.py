@@ -9,6 +9,7 @@ checked without a GPU (flags, recipe, tokenizer, dataset lines) is checked befor
 """
 
 import argparse
+from dataclasses import dataclass
 
 import torch
 
@@ -60,12 +61,16 @@ def build_logger(args: argparse.Namespace) -> MetricsLogger | None:
     )
 
 
-def build_policy(args: argparse.Namespace, tokenizer, hf_model: HFModel | None) -> torch.nn.Module:
-    """The model, with the starting weights of --hf-checkpoint or --pretrained-checkpoint."""
+def model_vocab_size(args: argparse.Namespace, tokenizer) -> int:
     vocab_size = args.vocab_size or tokenizer.vocab_size
     if tokenizer.vocab_size > vocab_size:
         raise ValueError(f"--rl-tokenizer {args.rl_tokenizer} has {tokenizer.vocab_size} tokens, "
                          f"more than the model's vocabulary ({vocab_size})")
+    return vocab_size
+
+
+def build_policy(args: argparse.Namespace, vocab_size: int, hf_model: HFModel | None) -> torch.nn.Module:
+    """The model, with the starting weights of --hf-checkpoint or --pretrained-checkpoint."""
     model = build_model(args, vocab_size)
     if hf_model is not None:
         load_hf_weights(model, hf_model)
@@ -74,7 +79,22 @@ def build_policy(args: argparse.Namespace, tokenizer, hf_model: HFModel | None) 
     return model
 
 
-def main(argv: list[str] | None = None) -> None:
+@dataclass
+class RunInputs:
+    """Everything read and checked before CUDA is touched."""
+
+    args: argparse.Namespace
+    tokenizer: object
+    vocab_size: int
+    engine_config: object
+    task: object
+    eval_examples: list | None
+    hf_model: HFModel | None
+
+
+def read_inputs(argv: list[str] | None) -> RunInputs:
+    """Flags, recipe, tokenizer, datasets (every line), reward function and HF config, each
+    checked: a bad one raises ValueError naming the flag, file or line."""
     args = parse_rl_args(argv)
     validate_installed_kernels(args)
     tokenizer = build_tokenizer(args.rl_tokenizer, chat_template=not args.rl_no_chat_template)
@@ -90,13 +110,23 @@ def main(argv: list[str] | None = None) -> None:
         task = RewardFnTask(task, reward_fn)
         eval_examples = eval_examples and [with_reward_fn(e, reward_fn) for e in eval_examples]
     hf_model = read_hf_model(args.hf_checkpoint) if args.hf_checkpoint else None
+    return RunInputs(args, tokenizer, model_vocab_size(args, tokenizer), engine_config, task, eval_examples,
+                     hf_model)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        inputs = read_inputs(argv)
+    except ValueError as exc:  # bad input: the message names it, a traceback would bury it
+        raise SystemExit(f"pretrain_rl.py: error: {exc}") from None
+    args, tokenizer, task, hf_model = inputs.args, inputs.tokenizer, inputs.task, inputs.hf_model
 
     initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
     with bi.batch_invariant(args.batch_invariant_mode):
-        model = build_policy(args, tokenizer, hf_model)
+        model = build_policy(args, inputs.vocab_size, hf_model)
         ddp, optimizer = build_ddp_and_optimizer(args, model)
         lr_scheduler = build_lr_scheduler(args, optimizer)
-        generator = Generator(model, engine_config)
+        generator = Generator(model, inputs.engine_config)
         logger = build_logger(args)
         reference = None
         if args.grpo_kl_beta > 0:
@@ -106,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
                step_config=step_config_from_args(args),
                sampling=sampling_from_args(args, tokenizer.eod), config=loop_config_from_args(args),
                logger=logger, ref_model=reference, lr_scheduler=lr_scheduler, hf_model=hf_model,
-               eval_examples=eval_examples)
+               eval_examples=inputs.eval_examples)
     if logger:
         logger.close()
     torch.distributed.barrier()
