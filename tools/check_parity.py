@@ -99,9 +99,12 @@ def summarize(result: dict) -> dict:
 
 
 def main() -> None:
-    args = parse_args(extra_args_provider=add_parity_args)
-    check_request_sizes(args)
-    validate_installed_kernels(args)
+    try:
+        args = parse_args(extra_args_provider=add_parity_args)
+        check_request_sizes(args)
+        validate_installed_kernels(args)
+    except ValueError as exc:  # bad input: the message names it, a traceback would bury it
+        raise SystemExit(f"check_parity.py: error: {exc}") from None
     initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
     prompts, budgets = random_requests(
         args.parity_requests, tuple(args.parity_prompt_lengths),

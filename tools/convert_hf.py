@@ -61,7 +61,7 @@ def check_mode_flags(mode: str, argv: list[str]) -> None:
     recipe = load_recipe(given.recipe, parser) if given.recipe else {}
     missing = [why for dest, why in NEEDED[mode].items() if not (getattr(given, dest) or recipe.get(dest))]
     if missing:
-        raise ValueError(f"convert_hf.py {mode} needs " + "; ".join(missing))
+        raise ValueError(f"{mode} needs " + "; ".join(missing))
 
 
 def check_paths(mode: str, args) -> None:
@@ -76,21 +76,29 @@ def check_paths(mode: str, args) -> None:
         check_weights_dir(args.save)
 
 
+def read_inputs(mode: str, argv: list[str]):
+    """The flags and the HF config, checked before CUDA is touched."""
+    if mode == "import" and "--save-interval" not in argv:  # one checkpoint; Megatron wants it with --save
+        argv = [*argv, "--save-interval", "1"]
+    if not {"-h", "--help"} & set(argv):  # MODE --help: pretrain_rl.py's flags, from parse_rl_args
+        check_mode_flags(mode, argv)
+    args = parse_rl_args(argv)
+    check_paths(mode, args)
+    validate_installed_kernels(args)
+    return args, read_hf_model(args.hf_checkpoint)
+
+
 def main() -> None:
     if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help"):
         print(__doc__ + "\nMode flags: `python tools/convert_hf.py MODE --help` (pretrain_rl.py's flags).")
         return
     if len(sys.argv) < 2 or sys.argv[1] not in MODES:
         raise SystemExit(f"usage: convert_hf.py {{{','.join(MODES)}}} --hf-checkpoint DIR [flags]")
-    mode, argv = sys.argv[1], sys.argv[2:]
-    if mode == "import" and "--save-interval" not in argv:  # one checkpoint; Megatron wants it with --save
-        argv += ["--save-interval", "1"]
-    if not {"-h", "--help"} & set(argv):  # MODE --help: pretrain_rl.py's flags, from parse_rl_args
-        check_mode_flags(mode, argv)
-    args = parse_rl_args(argv)
-    check_paths(mode, args)
-    validate_installed_kernels(args)
-    hf = read_hf_model(args.hf_checkpoint)
+    mode = sys.argv[1]
+    try:
+        args, hf = read_inputs(mode, sys.argv[2:])
+    except ValueError as exc:  # bad input: the message names it, a traceback would bury it
+        raise SystemExit(f"convert_hf.py: error: {exc}") from None
     initialize_distributed(args.seed)
     with bi.batch_invariant(args.batch_invariant_mode):
         model = build_model(args, hf.vocab_size)

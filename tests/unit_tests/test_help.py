@@ -30,7 +30,7 @@ def test_convert_hf_help_and_the_flags_each_mode_needs():
     result = subprocess.run([sys.executable, script, "export", *model],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
-    assert "convert_hf.py export needs --hf-checkpoint DIR" in result.stderr
+    assert "convert_hf.py: error: export needs --hf-checkpoint DIR" in result.stderr
     assert "--load RUN/checkpoints (the checkpoint exported)" in result.stderr
     assert "--save-hf OUT (the HF directory written)" in result.stderr
 

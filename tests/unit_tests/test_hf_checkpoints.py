@@ -243,13 +243,14 @@ def _convert_hf(monkeypatch, *argv: str):
 
 
 def test_convert_hf_names_the_missing_flags_before_megatron_checks_the_model(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match=r"^convert_hf.py import needs --hf-checkpoint DIR .*; --save OUT"):
+    with pytest.raises(SystemExit, match=r"^convert_hf.py: error: import needs --hf-checkpoint DIR .*; --save OUT"):
         _convert_hf(monkeypatch, "import")
-    with pytest.raises(ValueError, match=r"^convert_hf.py verify needs --hf-checkpoint DIR \("):
+    with pytest.raises(SystemExit, match=r"^convert_hf.py: error: verify needs --hf-checkpoint DIR \("):
         _convert_hf(monkeypatch, "verify", "--bf16")
     save_qwen3(str(tmp_path / "hf"))
     (tmp_path / "recipe.yaml").write_text(f"hf-checkpoint: {tmp_path / 'hf'}\n")  # a recipe gives it
-    with pytest.raises(ValueError, match=r"^convert_hf.py export needs --load RUN/checkpoints .*; --save-hf OUT"):
+    with pytest.raises(SystemExit, match=r"^convert_hf.py: error: "
+                                         r"export needs --load RUN/checkpoints .*; --save-hf OUT"):
         _convert_hf(monkeypatch, "export", "--recipe", str(tmp_path / "recipe.yaml"))
 
 
@@ -259,16 +260,18 @@ def test_convert_hf_checks_its_directories_before_building_the_model(tmp_path, m
     (run / "important").mkdir(parents=True)
     (tmp_path / "checkpoint").mkdir()
     hf = ["--hf-checkpoint", str(tmp_path / "hf")]
-    with pytest.raises(ValueError, match=r"^--save .*run: exists and holds files that are not a torch_dist "
+    with pytest.raises(SystemExit, match=r"^convert_hf.py: error: "
+                                         r"--save .*run: exists and holds files that are not a torch_dist "
                                          r"checkpoint \(important/\)"):
         _convert_hf(monkeypatch, "import", *hf, "--save", str(run))  # --save-interval: the tool's own 1
-    with pytest.raises(ValueError, match=r"^--load .*checkpoint: neither a dist checkpoint"):
+    with pytest.raises(SystemExit, match=r"^convert_hf.py: error: --load .*checkpoint: neither a dist checkpoint"):
         _convert_hf(monkeypatch, "export", *hf, "--load", str(tmp_path / "checkpoint"), "--save-hf", str(run))
     (tmp_path / "checkpoint" / "metadata.json").write_text("{}")
-    with pytest.raises(ValueError, match=r"^--save-hf .*run: exists and holds files that are not an HF "
+    with pytest.raises(SystemExit, match=r"^convert_hf.py: error: "
+                                         r"--save-hf .*run: exists and holds files that are not an HF "
                                          r"export \(important/\)"):
         _convert_hf(monkeypatch, "export", *hf, "--load", str(tmp_path / "checkpoint"), "--save-hf", str(run))
     assert os.listdir(run) == ["important"]
-    with pytest.raises(ValueError, match=r"^--save-hf .*hf: is --hf-checkpoint, the source"):
+    with pytest.raises(SystemExit, match=r"^convert_hf.py: error: --save-hf .*hf: is --hf-checkpoint, the source"):
         _convert_hf(monkeypatch, "export", *hf, "--load", str(tmp_path / "checkpoint"), "--save-hf",
                     str(tmp_path / "hf"))
