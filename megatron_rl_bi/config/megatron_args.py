@@ -7,6 +7,7 @@ megatron-core would raise deep inside model construction into one error naming e
 """
 
 import argparse
+import traceback
 
 from megatron.core.transformer.enums import AttnBackend
 
@@ -191,5 +192,13 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None) -> argpa
     validate_batch_invariance(args)
     validate_cuda_graphs(args)
     validate_save_interval(args)
-    validate_args(args)
+    try:
+        validate_args(args)
+    except AssertionError as exc:  # megatron-core's checks are asserts, some without a message
+        raise ValueError(f"megatron-core refuses these arguments: {_assertion_text(exc)}") from exc
     return args
+
+
+def _assertion_text(exc: AssertionError) -> str:
+    """The assertion's message, else the source line that failed (`assert args.x is not None`)."""
+    return str(exc) or traceback.extract_tb(exc.__traceback__)[-1].line

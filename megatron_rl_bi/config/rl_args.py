@@ -162,6 +162,8 @@ def load_recipe(path: str, parser: argparse.ArgumentParser) -> dict:
         action = by_flag.get("--" + name) or by_dest.get(str(key).replace("-", "_"))
         if action is None:
             raise ValueError(f"{path}: unknown flag '{key}' in recipe")
+        if action.dest == "recipe":  # it would be read as a value and ignored
+            raise ValueError(f"{path}: '{key}': a recipe cannot include another recipe")
         if action.nargs == 0:
             if not isinstance(value, bool):
                 raise ValueError(f"{path}: '{key}' is a switch; give true or false")

@@ -148,3 +148,22 @@ def test_save_interval_is_named_before_megatrons_bare_assert(tmp_path):
     message = errors_for("--save", str(tmp_path), "--save-interval", "-2")
     assert "--save-interval must be >= 1 with --save, got -2" in message
     assert parse_args(MODEL + ["--save", str(tmp_path), "--save-interval", "3"]).save_interval == 3
+
+
+def test_megatron_cores_own_refusals_are_errors_that_say_what(monkeypatch):
+    """Its checks are asserts: without a message the failed line, with one the message."""
+    import megatron.training.arguments as megatron_arguments
+
+    from megatron_rl_bi.config import parse_args
+
+    with pytest.raises(ValueError, match=r"^megatron-core refuses these arguments: "
+                                         r"assert args.micro_batch_size is not None$"):
+        parse_args(["--hidden-size", "64"])
+
+    def validate_args(args):
+        raise AssertionError("either num-layers or encoder-num-layers should be specified")
+
+    monkeypatch.setattr(megatron_arguments, "validate_args", validate_args)
+    with pytest.raises(ValueError, match="^megatron-core refuses these arguments: either num-layers or "
+                                         "encoder-num-layers should be specified$"):
+        parse_args(MODEL)

@@ -50,6 +50,9 @@ def test_recipe_errors_name_the_file_and_key(tmp_path):
         parse_rl_args(MODEL + ["--recipe", str(recipe)])
     with pytest.raises(ValueError, match=r"--recipe .*missing.yaml: No such file or directory"):
         parse_rl_args(MODEL + ["--recipe", str(tmp_path / "missing.yaml")])
+    recipe.write_text("recipe: other.yaml\n")  # was read as a value and ignored
+    with pytest.raises(ValueError, match=r"r.yaml: 'recipe': a recipe cannot include another recipe"):
+        parse_rl_args(MODEL + ["--recipe", str(recipe)])
 
 
 def test_validation_lists_every_bad_flag():
