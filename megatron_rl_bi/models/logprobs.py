@@ -1,7 +1,7 @@
 """Trainer-side token logprobs (and, when a loss needs it, entropy): one packed THD forward of
 the shared model. Both are of the distribution the engine samples from: softmax of the logits
-divided by the sampling temperature (top-k/top-p filtering is not reproduced: BI mode refuses
-it, see config.rl_args)."""
+divided by the sampling temperature (top-k/top-p filtering is not reproduced: config.rl_args
+refuses it in both modes)."""
 
 import torch
 

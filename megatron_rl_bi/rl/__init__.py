@@ -1,1 +1,2 @@
-"""RL pieces downstream of the engine: packing, parity, advantages, losses, the loop."""
+"""RL pieces downstream of the engine: rollouts, rewards, advantages, losses, the step, evaluation,
+the SFT warm-up and the loop (packing is megatron_rl_bi.packing, parity megatron_rl_bi.parity)."""

@@ -21,11 +21,15 @@ def score_completion(example, generation, tokenizer) -> tuple[float, str | None]
 
 
 def safe_reward(verify, completion: str) -> tuple[float, str | None]:
-    """(reward, problem). A verifier that raises (or returns something that is not a number)
-    scores 0 with problem RAISED; a NaN or infinite reward scores 0 with problem NONFINITE.
-    Neither is fatal, and no non-finite value reaches the advantages."""
+    """(reward, problem). A verifier that raises, or returns something that is not a number
+    (text included, though float() would read "1"), scores 0 with problem RAISED; a NaN or
+    infinite reward scores 0 with problem NONFINITE. Neither is fatal, and no non-finite value
+    reaches the advantages."""
     try:
-        reward = float(verify(completion))
+        value = verify(completion)
+        if isinstance(value, (str, bytes)):
+            raise TypeError(f"returned the text {value!r}, not a number")
+        reward = float(value)
     except Exception as exc:  # noqa: BLE001 - any verifier bug must not kill the run
         logger.warning("verifier raised %s: %s (reward 0)", type(exc).__name__, exc)
         return 0.0, RAISED

@@ -52,6 +52,8 @@ def test_safe_reward_counts_a_crashing_verifier():
 
     assert safe_reward(broken, "ok") == (0.0, "raised")
     assert safe_reward(lambda c: None, "ok") == (0.0, "raised")  # not a number
+    assert safe_reward(lambda c: "1", "ok") == (0.0, "raised")  # text, though float() reads it
+    assert safe_reward(lambda c: True, "ok") == (1.0, None)  # a bool is a number
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
