@@ -238,13 +238,16 @@ NOT_NEGATIVE = ("rl_sft_warmup_steps", "rl_keep_last_k", "rl_sft_lr", "rl_overlo
 
 
 def bound_errors(args: argparse.Namespace) -> list[str]:
-    """An error for each flag of AT_LEAST_ONE and NOT_NEGATIVE below its minimum (NaN too); a flag
-    left unset (None) is not checked."""
+    """An error for each flag of AT_LEAST_ONE and NOT_NEGATIVE below its minimum (NaN too). Unset
+    (None) is an error for AT_LEAST_ONE, whose flags the run needs, and allowed for NOT_NEGATIVE,
+    where it means off."""
     errors = []
-    for minimum, destinations in ((1, AT_LEAST_ONE), (0, NOT_NEGATIVE)):
+    for minimum, destinations, unset_allowed in ((1, AT_LEAST_ONE, False), (0, NOT_NEGATIVE, True)):
         for dest in destinations:
             value = getattr(args, dest)
-            if value is not None and not value >= minimum:
+            if value is None and unset_allowed:
+                continue
+            if value is None or not value >= minimum:
                 errors.append(f"--{dest.replace('_', '-')} must be >= {minimum}, got {value}")
     return errors
 

@@ -296,3 +296,12 @@ def test_inputs_the_gpu_work_would_fail_on_late_are_named_at_parse_time(tmp_path
                      "--wandb-project needs `pip install wandb`",
                      "--tensorboard-dir needs `pip install tensorboard`"):
         assert expected in str(info.value)
+
+
+def test_an_unset_size_is_an_error_and_an_unset_interval_is_off():
+    from megatron_rl_bi.config.rl_args import bound_errors
+
+    args = parse_rl_args(MODEL)
+    assert bound_errors(args) == []
+    args.train_iters, args.exit_interval = None, None
+    assert bound_errors(args) == ["--train-iters must be >= 1, got None"]
