@@ -15,8 +15,8 @@ import torch
 
 from megatron_rl_bi import bi
 from megatron_rl_bi.checkpoints.hf import HFModel, load_hf_weights, read_hf_model
-from megatron_rl_bi.checkpoints.megatron import load_pretrained_weights
-from megatron_rl_bi.config import parse_rl_args, validate_installed_kernels
+from megatron_rl_bi.checkpoints.megatron import latest_checkpoint, load_pretrained_weights, read_rl_state
+from megatron_rl_bi.config import parse_rl_args, print_arguments, validate_installed_kernels
 from megatron_rl_bi.config.from_args import (
     engine_config_from_args,
     loop_config_from_args,
@@ -92,11 +92,25 @@ class RunInputs:
     hf_model: HFModel | None
 
 
+def continue_checkpoint_seed(args: argparse.Namespace) -> None:
+    """A run resumed from --load keeps the seed its checkpoint was written with: the prompts,
+    their order and every step's samples are functions of it, so a requeued job that passes
+    another --seed still continues the same run."""
+    path = latest_checkpoint(args.load) if args.load else None
+    seed = read_rl_state(path)[0].get("seed") if path else None
+    if seed is not None and seed != args.seed:
+        print(f"--load {path}: continuing with the checkpoint's --seed {seed} (given {args.seed})",
+              flush=True)
+        args.seed = seed
+
+
 def read_inputs(argv: list[str] | None) -> RunInputs:
-    """Flags, recipe, tokenizer, datasets (every line), reward function and HF config, each
-    checked: a bad one raises ValueError naming the flag, file or line."""
+    """Flags, recipe, tokenizer, datasets (every line), reward function, HF config and the seed
+    of a checkpoint to resume, each checked: a bad one raises ValueError naming the flag, file
+    or line."""
     args = parse_rl_args(argv)
     validate_installed_kernels(args)
+    continue_checkpoint_seed(args)
     tokenizer = build_tokenizer(args.rl_tokenizer, chat_template=not args.rl_no_chat_template)
     engine_config = engine_config_from_args(args, temperature=args.rl_default_temperature)
     task = build_task(args.rl_task, args.seed, args.rl_dataset)
@@ -119,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         inputs = read_inputs(argv)
     except ValueError as exc:  # bad input: the message names it, a traceback would bury it
         raise SystemExit(f"pretrain_rl.py: error: {exc}") from None
+    print_arguments(inputs.args)
     args, tokenizer, task, hf_model = inputs.args, inputs.tokenizer, inputs.task, inputs.hf_model
 
     initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")

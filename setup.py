@@ -17,6 +17,8 @@ setup(
         # Hugging Face checkpoints and tokenizers (Qwen3.5 needs transformers 5).
         "transformers>=5.0",
         "safetensors",
+        # megatron-core's dist-checkpoint writer starts its worker with psutil.
+        "psutil",
     ],
     extras_require={
         # FlashAttention-4 (CuTe DSL) runs on Hopper and Blackwell; FA3 is a source build

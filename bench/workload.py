@@ -9,7 +9,7 @@ import torch
 from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
 
 from bench.report import positive_int
-from megatron_rl_bi.config import parse_args, validate_batch_invariance
+from megatron_rl_bi.config import parse_args, print_arguments, validate_batch_invariance
 from megatron_rl_bi.config.from_args import engine_config_from_args
 from megatron_rl_bi.distributed import initialize_distributed
 from megatron_rl_bi.inference import Generator, Sampling
@@ -99,6 +99,7 @@ def run_in_both_modes(extra_args_provider, measure: Callable) -> tuple[argparse.
     the flags."""
     args = parse_args(extra_args_provider=extra_args_provider)
     validate_batch_invariance(args, batch_invariant=True)
+    print_arguments(args)
     initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
     first, second = (False, True) if args.bench_default_first else (True, False)
     results = {}
@@ -107,6 +108,7 @@ def run_in_both_modes(extra_args_provider, measure: Callable) -> tuple[argparse.
     # its model, alive past measure's frame: release them before the second mode builds its own.
     delete_cuda_graphs()
     results[second], _ = measure(args, second, weights)
+    torch.distributed.destroy_process_group()
     config = {k: str(v) for k, v in vars(args).items()
               if k.startswith(("bench_", "hidden", "num_layers", "num_attention", "num_query", "ffn",
                                "hybrid", "cuda_graph", "inference_cuda_graph"))}

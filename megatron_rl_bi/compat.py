@@ -58,6 +58,48 @@ def escape_help_percent_signs(parser: argparse.ArgumentParser) -> None:
                                  lambda m: m.group(0) if len(m.group(0)) > 1 else "%%", action.help)
 
 
+@contextlib.contextmanager
+def megatron_arguments_dump_deferred():
+    """megatron-core 0.19.2's `validate_args` prints every argument (~900 lines) as its last act,
+    before this package's checks of recipes, datasets and checkpoints: an input error then came
+    after the dump, off the user's screen. The dump is held back while parsing;
+    `print_megatron_arguments` prints it once a run's inputs are read. Remove once upstream
+    separates validating from printing."""
+    from megatron.training import arguments
+
+    original = arguments._print_args
+    arguments._print_args = lambda title, args: None
+    try:
+        yield
+    finally:
+        arguments._print_args = original
+
+
+def print_megatron_arguments(args: argparse.Namespace) -> None:
+    """megatron-core's argument dump (rank 0), which `megatron_arguments_dump_deferred` held back."""
+    from megatron.training import arguments
+
+    arguments._print_args("arguments", args)
+
+
+def no_stack_dump_on_sigterm() -> None:
+    """megatron-core 0.19.2's data-parallel inference coordinator module registers faulthandler
+    for SIGTERM and SIGINT when imported (coordinator.py), which importing the dynamic engine
+    does: every such process, and every helper process that imports the entry point again
+    (dist checkpointing's spawned writer queue), printed `Stack (most recent call first):
+    <no Python frame>` when terminated, even at a clean exit. This package runs no coordinator;
+    the two registrations are undone (faulthandler's dump on a crash stays). Remove once upstream
+    registers them in the coordinator's process only
+    (tests/unit_tests/test_clean_exit.py::test_upstream_still_registers pins it)."""
+    import faulthandler
+    import signal
+
+    from megatron.core.inference.data_parallel_inference_coordinator import coordinator  # noqa: F401
+
+    for signal_number in (signal.SIGTERM, signal.SIGINT):
+        faulthandler.unregister(signal_number)
+
+
 def fla_chunk_backward_works() -> bool:
     """fla 0.6.0 refuses its chunked gated-delta-rule backward on Hopper (sm90) with Triton >= 3.4
     and < 3.7.1 (a Triton miscompile it guards against). Where it refuses, the BI rule's backward

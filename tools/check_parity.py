@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_rl_bi import bi  # noqa: E402
 from megatron_rl_bi.config import (  # noqa: E402
     parse_args,
+    print_arguments,
     raise_if_invalid,
     validate_batch_invariance,
     validate_installed_kernels,
@@ -105,6 +106,7 @@ def main() -> None:
         validate_installed_kernels(args)
     except ValueError as exc:  # bad input: the message names it, a traceback would bury it
         raise SystemExit(f"check_parity.py: error: {exc}") from None
+    print_arguments(args)
     initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
     prompts, budgets = random_requests(
         args.parity_requests, tuple(args.parity_prompt_lengths),
@@ -149,6 +151,7 @@ def main() -> None:
         with open(args.parity_output, "w") as f:
             json.dump(report, f, indent=2)
         print(f"[parity] wrote {args.parity_output}")
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

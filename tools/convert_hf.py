@@ -35,6 +35,7 @@ from megatron_rl_bi.config import (  # noqa: E402
     add_rl_args,
     build_parser,
     parse_rl_args,
+    print_arguments,
     validate_installed_kernels,
 )
 from megatron_rl_bi.config.rl_args import load_recipe  # noqa: E402
@@ -99,6 +100,7 @@ def main() -> None:
         args, hf = read_inputs(mode, sys.argv[2:])
     except ValueError as exc:  # bad input: the message names it, a traceback would bury it
         raise SystemExit(f"convert_hf.py: error: {exc}") from None
+    print_arguments(args)
     initialize_distributed(args.seed)
     with bi.batch_invariant(args.batch_invariant_mode):
         model = build_model(args, hf.vocab_size)

@@ -7,9 +7,14 @@
   .../golden_values_dev_h200.json
       {"<metric>": {"start_step": 1, "end_step": N, "step_interval": 1, "values": {"1": ...}}}
 
-Comparison: the BI runs' loss, reward, gradient-norm and parity metrics exactly (BI runs of these
-recipes repeat bit for bit); time and memory as the median over steps 2..N (step 1, and any step
-meeting a new shape, compiles) within +-15%, step time also within 0.15 s (see TOLERANCES).
+Comparison: every metric of EXACT and APPROXIMATE at every step of the case must be in the golden
+file and in the run (a missing one fails, named); the BI runs' loss, reward, gradient-norm and
+parity metrics exactly (BI runs of these recipes repeat bit for bit); time and memory as the
+median over steps 2..N (step 1, and any step meeting a new shape, compiles) within +-15%, step
+time also within 0.15 s (see TOLERANCES). A golden file carries the provenance stamp of the run
+that wrote it; regenerate refuses a BI run whose parity is not 0. A ckpt-resume case's second
+process starts with another --seed (RESUME_SEED) and must log its first step right after the
+checkpoint: only a restored run can then equal the golden values.
 
   python tools/golden_values.py regenerate [CASE_DIR ...]   # run on the GPU, write golden files
   python tools/golden_values.py check [CASE_DIR ...]        # run and compare
@@ -30,7 +35,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from megatron_rl_bi.jsonfile import read_object  # noqa: E402
-from megatron_rl_bi.reporting.metrics import read_step_records  # noqa: E402
+from megatron_rl_bi.reporting.metrics import read_segments  # noqa: E402
+from megatron_rl_bi.reporting.provenance import read_stamps  # noqa: E402
 
 CASES = os.path.join(REPO, "tests", "functional_tests", "test_cases")
 GOLDEN = "golden_values_dev_h200.json"
@@ -43,6 +49,10 @@ EXACT = ("loss", "reward/task_mean", "reward/trained_mean", "grad_norm", "bit_wi
 # Hence an absolute floor for time, as Megatron's own iteration-time check has; memory repeats.
 TOLERANCES = {"time/step_s": (0.15, 0.15), "memory/peak_allocated_gib": (0.15, 0.0)}
 APPROXIMATE = tuple(TOLERANCES)
+METRICS = EXACT + APPROXIMATE
+PARITY = ("bit_wise/logprob_diff/max", "bit_wise/ratio_tokens_different")
+# The resumed process of a ckpt-resume case runs with this --seed: the checkpoint's must win.
+RESUME_SEED = 271828
 
 
 @dataclass
@@ -96,30 +106,55 @@ def _pretrain_rl(case: Case, extra: list[str]) -> None:
     subprocess.run(command, check=True, cwd=REPO, env=env)
 
 
-def run_case(case: Case, workdir: str, resume: bool) -> dict[int, dict]:
-    """The case's step records. A ckpt-resume case's golden values are steps N/2+1..N of the
-    uninterrupted run (`resume` False); checking it (`resume` True) stops at N/2 and resumes."""
+def case_steps(case: Case) -> list[int]:
+    """The steps a case's golden values cover: all, or those after the checkpoint."""
+    steps = int(case.model_args["--train-iters"])
+    return list(range(steps // 2 + 1 if case.test_type == "ckpt-resume" else 1, steps + 1))
+
+
+def _resumed_records(case: Case, segments: list[list[dict]]) -> dict[int, dict]:
+    """The resumed process's records; a restart (its first step 1, not the one after the
+    checkpoint) is an error: its later steps can match while nothing was loaded."""
+    after = case_steps(case)
+    logged = [[record["step"] for record in segment] for segment in segments]
+    if logged != [list(range(1, after[0])), after]:
+        raise ValueError(f"{case.name}: the stopped and the resumed process logged steps {logged}; "
+                         f"expected {after[0] - 1} steps, then {after[0]}..{after[-1]}")
+    return {record["step"]: record for record in segments[1]}
+
+
+def run_case(case: Case, workdir: str, resume: bool) -> tuple[dict[int, dict], dict]:
+    """The case's step records (at case_steps) and the run's provenance stamp. A ckpt-resume
+    case's golden values are of the uninterrupted run (`resume` False); checking it (`resume`
+    True) stops at N/2 and resumes in a second process with another seed."""
     metrics, checkpoints = os.path.join(workdir, "m.jsonl"), os.path.join(workdir, "ckpt")
     steps = int(case.model_args["--train-iters"])
     common = ["--rl-metrics-jsonl", metrics, "--save", checkpoints, "--save-interval", str(steps)]
     if resume:
         _pretrain_rl(case, common + ["--exit-interval", str(steps // 2)])
-        _pretrain_rl(case, common + ["--load", checkpoints])
+        _pretrain_rl(case, common + ["--load", checkpoints, "--seed", str(RESUME_SEED)])
+        records = _resumed_records(case, read_segments(metrics))
     else:
         _pretrain_rl(case, common)
-    records = read_step_records(metrics)
-    if case.test_type == "ckpt-resume":
-        return {s: r for s, r in records.items() if s > steps // 2}
-    return records
+        records = {r["step"]: r for segment in read_segments(metrics) for r in segment}
+    stamp = {k: v for k, v in read_stamps(metrics)[0].items() if k != "config"}
+    return {s: r for s, r in records.items() if s in case_steps(case)}, stamp
 
 
-def golden_from_records(records: dict[int, dict]) -> dict:
-    steps = sorted(records)
-    return {
-        name: {"start_step": steps[0], "end_step": steps[-1], "step_interval": 1,
-               "values": {str(s): records[s][name] for s in steps}}
-        for name in EXACT + APPROXIMATE if all(name in records[s] for s in steps)
-    }
+def golden_from_records(records: dict[int, dict], steps: list[int], stamp: dict) -> dict:
+    """Golden values of every metric at every step; a metric missing from the run is an error."""
+    if missing := [f"{name} at step {s}" for s in steps for name in METRICS if name not in records.get(s, {})]:
+        raise ValueError(f"the run lacks {', '.join(missing[:5])}")
+    golden = {name: {"start_step": steps[0], "end_step": steps[-1], "step_interval": 1,
+                     "values": {str(s): records[s][name] for s in steps}} for name in METRICS}
+    golden["provenance"] = {**stamp, "written_by": "tools/golden_values.py regenerate"}
+    return golden
+
+
+def parity_problems(records: dict[int, dict]) -> list[str]:
+    """The steps of a BI run whose engine and trainer logprobs were not equal."""
+    return [f"step {s}: {name} = {r[name]!r}" for s, r in sorted(records.items())
+            for name in PARITY if r.get(name) != 0.0]
 
 
 def _median_after_first(values: dict) -> float:
@@ -129,26 +164,30 @@ def _median_after_first(values: dict) -> float:
     return statistics.median(kept)
 
 
-def compare(golden: dict, records: dict[int, dict]) -> list[str]:
-    """Every way `records` misses `golden`: a step or metric missing, an exact value different,
-    an approximate median outside the tolerance."""
-    failures = []
-    for name, spec in golden.items():
-        values = spec["values"]
-        missing = [s for s in values if int(s) not in records or name not in records[int(s)]]
-        if missing:
-            failures.append(f"{name}: no value at steps {missing[:5]}")
+def _compare_metric(name: str, expected: dict, actual: dict) -> list[str]:
+    if name in APPROXIMATE:
+        golden, got = _median_after_first(expected), _median_after_first(actual)
+        relative, absolute = TOLERANCES[name]
+        if abs(got - golden) > max(relative * abs(golden), absolute):
+            return [f"{name}: median {got:.4g} vs golden {golden:.4g} (+-{relative:.0%} or {absolute:g})"]
+        return []
+    return [f"{name} step {s}: {actual[s]!r} != golden {v!r}" for s, v in expected.items() if actual[s] != v]
+
+
+def compare(golden: dict, records: dict[int, dict], steps: list[int]) -> list[str]:
+    """Every way `records` misses `golden` at `steps`: no provenance, a metric or step missing
+    from either, an exact value different, an approximate median outside the tolerance."""
+    failures = [] if "provenance" in golden else ["the golden file has no provenance: regenerate it"]
+    wanted = [str(s) for s in steps]
+    for name in METRICS:
+        values = golden.get(name, {}).get("values", {})
+        if sorted(values, key=int) != wanted:
+            failures.append(f"{name}: the golden file has steps {sorted(values, key=int)}, the case {wanted}")
             continue
-        actual = {s: records[int(s)][name] for s in values}
-        if name in APPROXIMATE:
-            expected, got = _median_after_first(values), _median_after_first(actual)
-            relative, absolute = TOLERANCES[name]
-            if abs(got - expected) > max(relative * abs(expected), absolute):
-                failures.append(f"{name}: median {got:.4g} vs golden {expected:.4g} "
-                                f"(+-{relative:.0%} or {absolute:g})")
-        else:
-            failures += [f"{name} step {s}: {actual[s]!r} != golden {v!r}"
-                         for s, v in values.items() if actual[s] != v]
+        if missing := [s for s in wanted if name not in records.get(int(s), {})]:
+            failures.append(f"{name}: the run has no value at steps {missing[:5]}")
+            continue
+        failures += _compare_metric(name, values, {s: records[int(s)][name] for s in wanted})
     return failures
 
 
@@ -169,6 +208,17 @@ def _load_all(paths: list[str], mode: str) -> list[tuple[Case, dict | None]]:
     return loaded
 
 
+def regenerate(case: Case, records: dict[int, dict], stamp: dict) -> str:
+    """Writes the case's golden file; a BI case whose parity is not 0 is refused."""
+    if "--batch-invariant-mode" in case.flags() and (problems := parity_problems(records)):
+        raise ValueError("BI parity is not 0, refusing to write golden values: " + "; ".join(problems[:5]))
+    golden = golden_from_records(records, case_steps(case), stamp)
+    golden_path = os.path.join(case.path, GOLDEN)
+    with open(golden_path, "w") as f:
+        json.dump(golden, f, indent=2)
+    return golden_path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["regenerate", "check"])
@@ -182,18 +232,19 @@ def main() -> None:
     for case, golden in cases:
         resume = args.mode == "check" and case.test_type == "ckpt-resume"
         try:
-            records = run_case(case, tempfile.mkdtemp(prefix="golden_"), resume)
+            records, stamp = run_case(case, tempfile.mkdtemp(prefix="golden_"), resume)
+            if args.mode == "regenerate":
+                print(f"{case.name}: wrote {regenerate(case, records, stamp)}")
+                continue
         except subprocess.CalledProcessError as exc:  # report it, go on with the other cases
             print(f"{case.name}: FAILED\n  the run exited with {exc.returncode}")
             failed = True
             continue
-        if args.mode == "regenerate":
-            golden_path = os.path.join(case.path, GOLDEN)
-            with open(golden_path, "w") as f:
-                json.dump(golden_from_records(records), f, indent=2)
-            print(f"{case.name}: wrote {golden_path}")
+        except ValueError as exc:
+            print(f"{case.name}: FAILED\n  {exc}")
+            failed = True
             continue
-        failures = compare(golden, records)
+        failures = compare(golden, records, case_steps(case))
         print(f"{case.name}: " + ("passed" if not failures else "FAILED\n  " + "\n  ".join(failures)))
         failed |= bool(failures)
     sys.exit(1 if failed else 0)

@@ -9,9 +9,9 @@ the `latest` file is replaced with os.replace. A crash mid-save leaves the previ
 `latest`; the next save removes stale `.tmp` directories. `keep_last` (--rl-keep-last-k) bounds
 how many checkpoints stay. Every read error names the file or directory.
 
-RL state: step, weight version, the prompt source position, and the RNG states (Python, torch
-CPU/CUDA, Megatron's CUDA RNG tracker). Per-step sampling seeds derive from the step, so a
-resumed run repeats the uninterrupted one.
+RL state: step, weight version, the run's seed, the prompt source position, and the RNG states
+(Python, torch CPU/CUDA, Megatron's CUDA RNG tracker). Prompts and per-step sampling seeds
+derive from the seed and the step, so a resumed run repeats the uninterrupted one.
 """
 
 import os
@@ -23,6 +23,7 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_rl_bi.checkpoints.hf.files import check_replaceable
 
@@ -162,6 +163,21 @@ def _checkpoint_path(load_dir: str, step: int) -> str:
     raise ValueError(f"{os.path.join(load_dir, LATEST)} names step {step}, but {path} is missing")
 
 
+def _unreadable(path: str, what: str, reason: str) -> ValueError:
+    """The error for a checkpoint that cannot be read: the path, why, and the way out (an older
+    checkpoint beside it, or none kept)."""
+    checkpoint_dir = path if os.path.isdir(path) else os.path.dirname(path)
+    load_dir = os.path.dirname(os.path.abspath(checkpoint_dir))
+    older = sorted((int(n[5:]) for n in os.listdir(load_dir) if re.fullmatch(r"iter_\d{7}", n)
+                    and os.path.join(load_dir, n) != os.path.abspath(checkpoint_dir)), reverse=True)
+    if older:
+        way_out = (f"to resume from an older checkpoint, write its step ({', '.join(map(str, older))}) "
+                   f"into {os.path.join(load_dir, LATEST)}")
+    else:
+        way_out = "no older checkpoint is kept there (--rl-keep-last-k N keeps the newest N, 0 all)"
+    return ValueError(f"{path}: cannot read the {what} ({reason}); {way_out}")
+
+
 def read_rl_state(path: str) -> list[dict]:
     """Every rank's RL state from checkpoint directory `path` (tensors and plain Python values
     only: nothing is unpickled)."""
@@ -169,16 +185,29 @@ def read_rl_state(path: str) -> list[dict]:
     try:
         return torch.load(file, weights_only=True)["ranks"]
     except Exception as exc:  # noqa: BLE001 - any unreadable file is named, whatever failed
-        raise ValueError(f"{file}: cannot read the RL state ({type(exc).__name__}: {exc})") from exc
+        raise _unreadable(file, "RL state", f"{type(exc).__name__}: {exc}") from exc
+
+
+def _failure_text(exc: BaseException) -> str:
+    """What failed, per rank where torch.distributed.checkpoint gathered the ranks' exceptions."""
+    if isinstance(exc, CheckpointException):
+        return "; ".join(f"rank {rank}: {type(error).__name__}: {error}"
+                         for rank, (error, _) in exc.failures.items())
+    return f"{type(exc).__name__}: {exc}"
+
+
+def latest_checkpoint(load_dir: str) -> str | None:
+    """The directory of the checkpoint `load_dir`'s latest file names; None when there is none."""
+    step = latest_step(load_dir)
+    return None if step is None else _checkpoint_path(load_dir, step)
 
 
 def load_checkpoint(load_dir: str, ddp, optimizer, load_optimizer: bool = True) -> dict | None:
     """Restores model (and optimizer) and this rank's RNG; returns this rank's RL state, or
     None when `load_dir` has no checkpoint yet."""
-    step = latest_step(load_dir)
-    if step is None:
+    path = latest_checkpoint(load_dir)
+    if path is None:
         return None
-    path = _checkpoint_path(load_dir, step)
     ranks = read_rl_state(path)
     if len(ranks) != torch.distributed.get_world_size():
         raise ValueError(
@@ -190,9 +219,8 @@ def load_checkpoint(load_dir: str, ddp, optimizer, load_optimizer: bool = True) 
         sharded.pop("optimizer")
     try:
         state = dist_checkpointing.load(sharded, path)
-    except Exception as exc:  # noqa: BLE001 - name the checkpoint whatever the reader raised
-        raise ValueError(f"{path}: cannot read the model/optimizer checkpoint "
-                         f"({type(exc).__name__}: {exc})") from exc
+    except (Exception, CheckpointException) as exc:  # a BaseException: name the checkpoint whatever failed
+        raise _unreadable(path, "model/optimizer checkpoint", _failure_text(exc)) from exc
     unwrap_model(ddp).load_state_dict(state["model"])
     if load_optimizer:
         optimizer.load_state_dict(state["optimizer"])

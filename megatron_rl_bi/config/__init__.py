@@ -9,11 +9,13 @@ from megatron_rl_bi.config.hf_args import add_hf_args
 from megatron_rl_bi.config.megatron_args import (
     build_parser,
     parse_args,
+    print_arguments,
     raise_if_invalid,
     validate_batch_invariance,
     validate_installed_kernels,
 )
 from megatron_rl_bi.config.rl_args import add_rl_args, parse_rl_args
 
-__all__ = ["add_hf_args", "add_rl_args", "build_parser", "parse_args", "parse_rl_args", "raise_if_invalid",
+__all__ = ["add_hf_args", "add_rl_args", "build_parser", "parse_args", "parse_rl_args", "print_arguments",
+           "raise_if_invalid",
            "validate_batch_invariance", "validate_installed_kernels"]

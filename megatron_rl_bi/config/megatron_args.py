@@ -54,9 +54,8 @@ def _flash_attention_error(version: int | None, batch_invariant: bool) -> str | 
     (FlashCoreAttention) runs 3 or 4, the generation the engine runs too."""
     from megatron_rl_bi.attention import flash_varlen_function
 
-    if version is None:
-        return (f"{'--batch-invariant-mode' if batch_invariant else 'training attention'} needs "
-                "--flash-attention-version 3 or 4")
+    if version is None:  # default mode picks the installed one (pick_flash_attention_version)
+        return "--batch-invariant-mode needs --flash-attention-version 3 or 4"
     if version == 2 and batch_invariant:
         return ("--flash-attention-version 2 cannot be used with --batch-invariant-mode: FA2 has no "
                 "fixed num_splits schedule; use 3 or 4")
@@ -67,10 +66,28 @@ def _flash_attention_error(version: int | None, batch_invariant: bool) -> str | 
     return None
 
 
+def pick_flash_attention_version(args: argparse.Namespace) -> str | None:
+    """Default mode without --flash-attention-version runs the installed generation (4, else 3),
+    and says which; BI mode keeps requiring the pin (parse_args), since both sides must run the
+    one named. With neither installed: the error, naming what each lacks."""
+    if args.flash_attention_version is not None or args.batch_invariant_mode:
+        return None
+    problems = {version: _flash_attention_error(version, False) for version in (4, 3)}
+    installed = [version for version, problem in problems.items() if problem is None]
+    if not installed:
+        return ("training attention needs FlashAttention 3 or 4 (--flash-attention-version), and "
+                "neither is installed:\n    " + "\n    ".join(problems.values()))
+    args.flash_attention_version = installed[0]
+    print(f"--flash-attention-version not given: running {installed[0]}, the installed generation", flush=True)
+    return None
+
+
 def validate_installed_kernels(args: argparse.Namespace) -> None:
     """The checks that need installed packages, in every mode (parse_args makes them only in BI
-    mode, so that CPU machines can parse a run's flags): one ValueError, before any GPU work."""
-    errors = [problem] if (problem := _flash_attention_error(args.flash_attention_version, False)) else []
+    mode, so that CPU machines can parse a run's flags): one ValueError, before any GPU work. In
+    default mode a missing --flash-attention-version is the installed generation."""
+    problem = pick_flash_attention_version(args) or _flash_attention_error(args.flash_attention_version, False)
+    errors = [problem] if problem else []
     if not problem and args.flash_attention_version == 3:
         from megatron_rl_bi.attention import fa3_missing_head_dim
 
@@ -193,10 +210,17 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None) -> argpa
     validate_cuda_graphs(args)
     validate_save_interval(args)
     try:
-        validate_args(args)
+        with compat.megatron_arguments_dump_deferred():  # printed once the run's inputs are read
+            validate_args(args)
     except AssertionError as exc:  # megatron-core's checks are asserts, some without a message
         raise ValueError(f"megatron-core refuses these arguments: {_assertion_text(exc)}") from exc
     return args
+
+
+def print_arguments(args: argparse.Namespace) -> None:
+    """Megatron's dump of every argument, which parse_args holds back: entry points print it once
+    the run's inputs are read, so that an input error is the last thing a user sees."""
+    compat.print_megatron_arguments(args)
 
 
 def _assertion_text(exc: AssertionError) -> str:

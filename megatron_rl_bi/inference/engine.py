@@ -29,6 +29,8 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_rl_bi import bi, compat
 
+compat.no_stack_dump_on_sigterm()  # at import: spawned helper processes import this module too
+
 
 @dataclass(kw_only=True)
 class EngineConfig:

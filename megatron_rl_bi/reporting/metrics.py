@@ -80,12 +80,27 @@ class MetricsLogger:
             self._wandb.finish()
 
 
+def read_segments(path: str) -> list[list[dict]]:
+    """The step records of a metrics JSONL, one list per process that wrote to it (each
+    `{"run": ...}` header opens one), in the order written: a resumed run's second list starts
+    at the step after its checkpoint, where a restarted one starts at step 1 again."""
+    segments = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            record = parse_object(line, path, number)
+            if "run" in record or not segments:
+                segments.append([])
+            if "step" in record:
+                segments[-1].append(record)
+    return [segment for segment in segments if segment]
+
+
 def read_step_records(path: str) -> dict[int, dict]:
     """The `{"step": ...}` records of a metrics JSONL by step (a resumed run's later record of a
     step wins). A file without any is an error: every reader would compare or draw nothing."""
-    with open(path) as f:
-        records = [parse_object(line, path, number) for number, line in enumerate(f, 1) if line.strip()]
-    steps = {r["step"]: r for r in records if "step" in r}
+    steps = {r["step"]: r for segment in read_segments(path) for r in segment}
     if not steps:
         raise ValueError(f"{path}: no step records")
     return steps

@@ -1,31 +1,58 @@
-"""Provenance stamped into every result file: which device, code and library versions made it."""
+"""Provenance stamped into every result file: which device, code and library versions made it.
+
+The code is named twice: by git (`git_commit`, HEAD of the checkout, `-dirty` with local
+changes) and by content (`source_hash`, a hash of the package's source files as they are on
+disk). The hash ties a result to code with or without `.git` (a copy of the tree on another
+machine may carry a stale one, or none): `python tools/source_hash.py --commit C` computes it
+for a commit, to check a result's stamp. A commit given in $GIT_COMMIT is recorded as declared,
+beside what the checkout says, never instead of it.
+"""
 
 import datetime
+import hashlib
 import os
+import pathlib
 import subprocess
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
+from megatron_rl_bi.jsonfile import parse_object, read_object
+
 _PACKAGES = ("torch", "triton", "megatron-core", "fla-core", "flash-attn-4", "flash-attn-3",
              "transformer-engine")
+REPO = pathlib.Path(__file__).resolve().parents[2]
+# What runs: the package, the entry point, the tools, the benches, the recipes and launchers.
+SOURCE_PATTERNS = ("megatron_rl_bi/**/*.py", "pretrain_rl.py", "setup.py", "tools/*.py", "bench/*.py",
+                   "examples/**/*.yaml", "examples/**/*.sh", "examples/**/*.sbatch")
+
+
+def source_files(root: pathlib.Path) -> list[pathlib.Path]:
+    """The source files under `root` that SOURCE_PATTERNS select, sorted."""
+    found = {path for pattern in SOURCE_PATTERNS for path in root.glob(pattern) if path.is_file()}
+    return sorted(found, key=lambda path: path.relative_to(root).as_posix())
+
+
+def source_hash(root: pathlib.Path) -> str:
+    """sha256 over every source file's relative path and bytes: equal trees, equal hashes."""
+    digest = hashlib.sha256()
+    for path in source_files(root):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def _git(*command: str) -> str:
+    return subprocess.run(["git", *command], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout.strip()
 
 
 def git_commit() -> str:
-    """$GIT_COMMIT when set (a copy of the tree on a remote machine may carry a stale .git),
-    else HEAD of the checkout (with '-dirty' if it has local changes), else 'unknown'."""
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    """HEAD of the checkout, with '-dirty' if tracked files have local changes; 'unknown'
+    without git or a checkout."""
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root, capture_output=True, text=True, check=True,
-        ).stdout.strip()
-        return head + ("-dirty" if dirty else "")
+        dirty = _git("status", "--porcelain", "--untracked-files=no")
+        return _git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -38,9 +65,30 @@ def _package_version(name: str) -> str | None:
 
 
 def provenance() -> dict:
-    return {
+    stamp = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "git_commit": git_commit(),
+        "source_hash": source_hash(REPO),
         "versions": {name: _package_version(name) for name in _PACKAGES},
         "utc_time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    if os.environ.get("GIT_COMMIT"):
+        stamp["declared_commit"] = os.environ["GIT_COMMIT"]
+    return stamp
+
+
+def read_stamps(path: str) -> list[dict]:
+    """The provenance stamps of a result file: a JSON report's top level (or its `provenance`,
+    for golden values), or each `{"run": ...}` header of a JSONL (one per process that wrote
+    to it). A file without any is an error."""
+    if path.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            records = [parse_object(line, path, n) for n, line in enumerate(f, 1) if line.strip()]
+        stamps = [r["run"] for r in records if "run" in r]
+    else:
+        report = read_object(path)
+        stamps = [report.get("provenance", report)]
+    stamps = [s for s in stamps if "git_commit" in s]
+    if not stamps:
+        raise ValueError(f"{path}: no provenance stamp (git_commit)")
+    return stamps

@@ -40,7 +40,8 @@ class LoopConfig:
     steps: int
     """RL steps (--train-iters)."""
     seed: int
-    """Seeds prompt order and every step's sampling (--seed)."""
+    """Seeds the prompts, their order and every step's sampling (--seed); saved with each
+    checkpoint, and a resumed run must continue with the checkpoint's."""
     save_dir: str | None = None
     """Checkpoint root (--save)."""
     save_interval: int = 0
@@ -102,6 +103,9 @@ def _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, task, tokenizer, co
         if config.sft_warmup_steps:
             _sft_warmup(ddp, optimizer, task, tokenizer, config, logger)
         return 0, 0
+    if state.get("seed", config.seed) != config.seed:
+        raise ValueError(f"--load {config.load_dir}: the checkpoint's run had --seed {state['seed']}, "
+                         f"this one {config.seed}; its prompts and samples continue only with its seed")
     source.load_state_dict(state["source"])
     if lr_scheduler is not None and "lr_scheduler" in state:
         _restore_lr_schedule(lr_scheduler, state["lr_scheduler"], config.load_dir)
@@ -189,7 +193,8 @@ def _save(step: int, weight_version: int, ddp, optimizer, lr_scheduler, source,
     `exiting` (an early stop) forces the checkpoint, not the export."""
     last = step == config.steps
     if config.save_dir and _due(step, config.save_interval, last or exiting):
-        rl_state = {"step": step, "weight_version": weight_version, "source": source.state_dict()}
+        rl_state = {"step": step, "weight_version": weight_version, "seed": config.seed,
+                    "source": source.state_dict()}
         if lr_scheduler is not None:
             rl_state["lr_scheduler"] = lr_scheduler.state_dict()
         save_checkpoint(config.save_dir, step, ddp, optimizer, rl_state, keep_last=config.keep_last)

@@ -28,12 +28,13 @@ def test_case_matches_its_golden_values(path, tmp_path):
     assert os.path.isfile(golden_path), f"no {golden_path}: python tools/golden_values.py regenerate"
     with open(golden_path) as f:
         golden = json.load(f)
-    records = golden_values.run_case(case, str(tmp_path), resume=case.test_type == "ckpt-resume")
-    failures = golden_values.compare(golden, records)
+    records, _ = golden_values.run_case(case, str(tmp_path), resume=case.test_type == "ckpt-resume")
+    steps = golden_values.case_steps(case)
+    failures = golden_values.compare(golden, records, steps)
     assert not failures, "\n".join(failures)
     # The same run against a golden file with one loss value moved by one ulp must fail.
     last = str(golden["loss"]["end_step"])
     golden["loss"]["values"][last] = math.nextafter(golden["loss"]["values"][last], math.inf)
-    assert golden_values.compare(golden, records) == [
+    assert golden_values.compare(golden, records, steps) == [
         f"loss step {last}: {records[int(last)]['loss']!r} != golden {golden['loss']['values'][last]!r}"
     ]

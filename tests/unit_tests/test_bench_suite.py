@@ -1,9 +1,9 @@
 """bench/suite.py's arithmetic (CPU): ratios and headline keys from two modes' profiles, and
 every model's flags parse."""
 
+import cProfile
 import importlib.util
 import os
-import time
 import types
 
 import pytest
@@ -77,14 +77,24 @@ def test_markdown_table_of_a_file_without_decode_intervals():
     assert "| 30.00 / 30.00 ms | not measured | 2.0% |" in suite.markdown_table(report)
 
 
-class _FakeEngine:
-    """An engine whose steps take known host times (no GPU)."""
+class _Clock:
+    """A host clock that moves only when a fake engine step says so."""
 
-    def __init__(self, step_seconds):
-        self.step_seconds, self.steps = step_seconds, 0
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+class _FakeEngine:
+    """An engine whose steps take known host times on a fake clock (no GPU, no sleeping)."""
+
+    def __init__(self, clock, step_seconds):
+        self.clock, self.step_seconds, self.steps = clock, step_seconds, 0
 
     def step_modern(self):
-        time.sleep(self.step_seconds[self.steps])
+        self.clock.now += self.step_seconds[self.steps]
         self.steps += 1
 
 
@@ -97,33 +107,36 @@ class _FakeWork:
             self.engine.step_modern()
 
 
-def test_unsynchronized_hook_records_the_time_between_step_returns():
-    profile_steps = _module("bench/profile_steps.py")
-    engine = _FakeEngine([0.05, 0.01, 0.02, 0.0])
+@pytest.fixture
+def profile_steps(monkeypatch):
+    module = _module("bench/profile_steps.py")
+    clock = _Clock()
+    monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(module.torch.cuda, "synchronize", lambda: None)
+    module.clock = clock
+    return module
+
+
+def test_unsynchronized_hook_records_the_time_between_step_returns(profile_steps):
+    engine = _FakeEngine(profile_steps.clock, [0.5, 0.125, 0.25, 1.0])  # binary fractions: exact sums
     hook = profile_steps.EngineStepHook(engine)
+    profile_steps.clock.now = 3.0  # the generation starts later than the hook was made
     times = hook.run(_FakeWork(engine), 3, synchronize=False)
-    assert engine.steps == 3 and len(times) == 3
-    # each interval covers its step's sleep, and the three add up to the generation's time
-    assert all(t >= s for t, s in zip(times, [0.05, 0.01, 0.02]))
-    assert times[0] < 0.05 + 0.04 and sum(times) < 0.08 + 0.04
+    assert engine.steps == 3 and times == [0.5, 0.125, 0.25]
     engine.step_modern()  # a step outside run (the bench's rollouts) is not one of the run's
     assert engine.steps == 4 and len(times) == 3
 
 
-def test_caller_generations_take_the_median_wall_time(monkeypatch):
-    profile_steps = _module("bench/profile_steps.py")
-    monkeypatch.setattr(profile_steps.torch.cuda, "synchronize", lambda: None)
-    engine = _FakeEngine([0.02, 0.0, 0.08, 0.0, 0.04, 0.0])  # three generations of two steps
+def test_caller_generations_take_the_median_wall_time(profile_steps):
+    engine = _FakeEngine(profile_steps.clock, [0.25, 0.0, 1.0, 0.0, 0.5, 0.0])  # three generations of two steps
     hook = profile_steps.EngineStepHook(engine)
     generate_s, intervals = profile_steps.caller_generations(hook, _FakeWork(engine), 2)
-    assert [len(run) for run in intervals] == [2, 2, 2] and engine.steps == 6
-    assert 0.04 <= generate_s < 0.08  # the middle one: the 0.08 s run does not move it
-    assert intervals[1][0] >= 0.08
+    assert intervals == [[0.25, 0.0], [1.0, 0.0], [0.5, 0.0]] and engine.steps == 6
+    assert generate_s == 0.5  # the middle one: the 1.0 s run does not move it
 
 
-def test_hook_profiles_only_steps_after_every_prompt_is_admitted():
-    profile_steps = _module("bench/profile_steps.py")
-    engine = _FakeEngine([0.0] * 5)
+def test_hook_profiles_only_steps_after_every_prompt_is_admitted(profile_steps):
+    engine = _FakeEngine(profile_steps.clock, [0.0] * 5)
     engine.waiting_request_ids = [7, 8]
     work = _FakeWork(engine)
     original_step = engine.step_modern
@@ -143,22 +156,23 @@ def test_hook_profiles_only_steps_after_every_prompt_is_admitted():
         hook.run(work, 1, bench_report.PythonProfiler(), synchronize=False)
 
 
-def _spin(seconds):
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+def _tick(clock, seconds):
+    clock.now += seconds
 
 
 def test_python_table_per_step():
+    """cProfile on a fake clock: each _tick call takes exactly its seconds."""
+    clock = _Clock()
     profiler = bench_report.PythonProfiler()
+    profiler.profile = cProfile.Profile(timer=clock.perf_counter)
     profiler.start()
     for _ in range(4):
-        _spin(0.01)
+        _tick(clock, 0.5)
     profiler.stop()
-    row = next(r for r in bench_report.python_table(profiler, per=2, rows=5) if "(_spin)" in r["function"])
-    assert row["function"].endswith("test_bench_suite.py:" + str(_spin.__code__.co_firstlineno) + "(_spin)")
+    row = next(r for r in bench_report.python_table(profiler, per=2, rows=5) if "(_tick)" in r["function"])
+    assert row["function"].endswith("test_bench_suite.py:" + str(_tick.__code__.co_firstlineno) + "(_tick)")
     assert row["calls_per_step"] == 2.0
-    assert 20.0 <= row["cumulative_ms"] < 40.0  # two 10 ms spins a step
+    assert row["cumulative_ms"] == row["own_ms"] == 1000.0  # two 0.5 s ticks a step
 
 
 def test_short_path():

@@ -76,7 +76,7 @@ def test_installed_kernels_are_checked_in_default_mode(monkeypatch):
     args.transformer_impl = "transformer_engine"
     with pytest.raises(ValueError) as info:
         validate_installed_kernels(args)
-    assert "--flash-attention-version 3 or 4" in str(info.value)
+    assert "training attention needs FlashAttention 3 or 4 (--flash-attention-version)" in str(info.value)
     assert "--transformer-impl transformer_engine: TransformerEngine is not installed" in str(info.value)
     args.flash_attention_version = 4  # not installed on this machine
     with pytest.raises(ValueError, match="--flash-attention-version 4 needs FlashAttention-4"):
@@ -167,3 +167,66 @@ def test_megatron_cores_own_refusals_are_errors_that_say_what(monkeypatch):
     with pytest.raises(ValueError, match="^megatron-core refuses these arguments: either num-layers or "
                                          "encoder-num-layers should be specified$"):
         parse_args(MODEL)
+
+
+def _flash_installed(monkeypatch, *versions):
+    """Only these FlashAttention generations import."""
+    import megatron_rl_bi.attention as attention
+
+    def varlen(version):
+        if version not in versions:
+            raise ImportError(f"--flash-attention-version {version} needs FlashAttention-{version}: "
+                              "not installed here")
+        return lambda *a, **k: None
+
+    monkeypatch.setattr(attention, "flash_varlen_function", varlen)
+
+
+@pytest.mark.parametrize("installed, picked", [((3, 4), 4), ((3,), 3), ((4,), 4)])
+def test_default_mode_runs_the_installed_generation_and_says_so(monkeypatch, capsys, installed, picked):
+    from megatron_rl_bi.config import validate_installed_kernels
+
+    _flash_installed(monkeypatch, *installed)
+    args = parse_args(MODEL + ["--transformer-impl", "local"])
+    assert args.flash_attention_version is None
+    validate_installed_kernels(args)
+    assert args.flash_attention_version == picked
+    assert f"--flash-attention-version not given: running {picked}, the installed generation" in capsys.readouterr().out
+
+
+def test_default_mode_without_flash_attention_names_what_is_missing(monkeypatch):
+    from megatron_rl_bi.config import validate_installed_kernels
+
+    _flash_installed(monkeypatch)
+    args = parse_args(MODEL + ["--transformer-impl", "local"])
+    with pytest.raises(ValueError, match=r"(?s)training attention needs FlashAttention 3 or 4 "
+                                         r"\(--flash-attention-version\), and neither is installed:\n"
+                                         r".*FlashAttention-4: not installed here\n.*FlashAttention-3: not installed"):
+        validate_installed_kernels(args)
+
+
+def test_bi_mode_keeps_requiring_the_pin(monkeypatch):
+    from megatron_rl_bi.config import validate_installed_kernels
+    from megatron_rl_bi.config.megatron_args import pick_flash_attention_version
+
+    _flash_installed(monkeypatch, 4)
+    assert "--batch-invariant-mode needs --flash-attention-version 3 or 4" in errors_for("--batch-invariant-mode")
+    args = parse_args(MODEL + ["--transformer-impl", "local", "--flash-attention-version", "4"])
+    args.batch_invariant_mode, args.flash_attention_version = True, None
+    pick_flash_attention_version(args)
+    assert args.flash_attention_version is None  # nothing picked in BI mode
+    with pytest.raises(ValueError, match="--batch-invariant-mode needs --flash-attention-version"):
+        validate_installed_kernels(args)
+
+
+def test_a_ci_machine_without_flash_attention_names_both_generations():
+    """The real import, no stand-in: this CPU machine has neither generation installed."""
+    from megatron_rl_bi.config import validate_installed_kernels
+
+    args = parse_args(MODEL + ["--transformer-impl", "local"])
+    try:
+        validate_installed_kernels(args)
+    except ValueError as error:
+        assert "FlashAttention-4" in str(error) and "FlashAttention-3" in str(error)
+    else:
+        assert args.flash_attention_version in (3, 4)  # a machine with one installed picks it

@@ -25,7 +25,7 @@ OTHER_PROGRAMS = {
     "--nodes": "sbatch", "--ntasks": "sbatch", "--ntasks-per-node": "sbatch",
     "--gpus-per-node": "sbatch", "--gpus": "sbatch", "--exclusive": "sbatch",
     "--job-name": "sbatch", "--time": "sbatch", "--requeue": "sbatch", "--kill-on-bad-exit": "srun",
-    "--porcelain": "git status", "--untracked-files": "git status",
+    "--porcelain": "git status", "--untracked-files": "git status", "--format": "git archive",
 }
 
 
@@ -46,7 +46,7 @@ def _known_flags() -> set[str]:
                _module("bench/gdn_rule.py").build_parser(), _module("bench/gemm.py").build_parser(),
                _module("bench/decode_tail.py").build_parser(),
                _module("bench/suite.py").build_parser(),
-               _module("tools/plot_metrics.py").build_parser()]
+               _module("tools/plot_metrics.py").build_parser(), _module("tools/source_hash.py").build_parser()]
     return {flag for parser in parsers for action in parser._actions for flag in action.option_strings}
 
 

@@ -3,6 +3,7 @@ medians within 15% (step time also within 0.15 s); a perturbed golden value fail
 file parses."""
 
 import importlib.util
+import json
 import math
 import os
 
@@ -13,57 +14,134 @@ _spec = importlib.util.spec_from_file_location("golden_values", os.path.join(REP
 golden_values = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(golden_values)
 
-RECORDS = {s: {"loss": 0.1 * s, "bit_wise/logprob_diff/max": 0.0, "time/step_s": 1.0 + 0.05 * s,
-               "memory/peak_allocated_gib": 10.0, "rollouts/groups": 16} for s in (1, 2, 3)}
+STEPS = [1, 2, 3]
+STAMP = {"device": "NVIDIA H200", "git_commit": "0123abc", "source_hash": "f00d"}
+
+
+def _records(**values) -> dict[int, dict]:
+    """Every metric at steps 1..3: loss 0.1 * step, step time 1 + 0.05 * step, the rest fixed."""
+    records = {s: {name: 0.0 for name in golden_values.METRICS} for s in STEPS}
+    for s, record in records.items():
+        record.update({"loss": 0.1 * s, "time/step_s": 1.0 + 0.05 * s, "memory/peak_allocated_gib": 10.0,
+                       "rollouts/groups": 16, **values})
+    return records
+
+
+RECORDS = _records()
+
+
+def _golden(records=RECORDS):
+    return golden_values.golden_from_records(records, STEPS, STAMP)
 
 
 def test_golden_file_format():
-    golden = golden_values.golden_from_records(RECORDS)
+    golden = _golden()
     assert golden["loss"] == {"start_step": 1, "end_step": 3, "step_interval": 1,
                               "values": {"1": 0.1, "2": 0.2, "3": 0.30000000000000004}}
-    assert "rollouts/groups" not in golden  # neither exact nor approximate: not recorded
+    assert set(golden) == {*golden_values.METRICS, "provenance"}  # rollouts/groups is neither
+    assert golden["provenance"] == {**STAMP, "written_by": "tools/golden_values.py regenerate"}
+
+
+def test_a_metric_missing_from_the_run_is_not_silently_dropped():
+    records = _records()
+    del records[2]["grad_norm"]
+    with pytest.raises(ValueError, match="the run lacks grad_norm at step 2"):
+        _golden(records)
 
 
 def test_own_records_pass_and_a_perturbed_value_fails():
-    golden = golden_values.golden_from_records(RECORDS)
-    assert golden_values.compare(golden, RECORDS) == []
+    golden = _golden()
+    assert golden_values.compare(golden, RECORDS, STEPS) == []
     perturbed = math.nextafter(0.2, 1.0)  # one ulp
     golden["loss"]["values"]["2"] = perturbed
-    assert golden_values.compare(golden, RECORDS) == [f"loss step 2: 0.2 != golden {perturbed!r}"]
+    assert golden_values.compare(golden, RECORDS, STEPS) == [f"loss step 2: 0.2 != golden {perturbed!r}"]
+
+
+def test_an_empty_or_partial_golden_file_fails_naming_what_is_missing():
+    everything = [f"{name}: the golden file has steps [], the case ['1', '2', '3']"
+                  for name in golden_values.METRICS]
+    assert golden_values.compare({}, RECORDS, STEPS) == ["the golden file has no provenance: regenerate it",
+                                                         *everything]
+    partial = _golden()
+    del partial["grad_norm"]
+    del partial["loss"]["values"]["3"]
+    del partial["provenance"]
+    assert golden_values.compare(partial, RECORDS, STEPS) == [
+        "the golden file has no provenance: regenerate it",
+        "loss: the golden file has steps ['1', '2'], the case ['1', '2', '3']",
+        "grad_norm: the golden file has steps [], the case ['1', '2', '3']"]
+
+
+def test_a_metric_missing_from_the_run_fails():
+    records = _records()
+    del records[3]["bit_wise/tokens"]
+    assert golden_values.compare(_golden(), records, STEPS) == [
+        "bit_wise/tokens: the run has no value at steps ['3']"]
 
 
 def test_time_and_memory_within_15_percent_of_the_median_after_step_1():
-    golden = golden_values.golden_from_records(RECORDS)
+    golden = _golden()
     slower = {s: {**r, "time/step_s": r["time/step_s"] * 1.1} for s, r in RECORDS.items()}
     slower[1]["time/step_s"] = 100.0  # step 1 (compilation) does not count
-    assert golden_values.compare(golden, slower) == []
+    assert golden_values.compare(golden, slower, STEPS) == []
     much_slower = {s: {**r, "time/step_s": r["time/step_s"] * 1.2} for s, r in RECORDS.items()}
-    assert golden_values.compare(golden, much_slower) == [
+    assert golden_values.compare(golden, much_slower, STEPS) == [
         "time/step_s: median 1.35 vs golden 1.125 (+-15% or 0.15)"]  # steps 2, 3: 1.1, 1.15 (x 1.2)
 
 
 def test_short_steps_pass_within_the_absolute_time_floor_only():
-    records = {s: {"time/step_s": 0.25, "memory/peak_allocated_gib": 4.0} for s in range(1, 4)}
-    golden = golden_values.golden_from_records(records)
-    host_jitter = {s: {"time/step_s": 0.39, "memory/peak_allocated_gib": 4.0} for s in records}
-    assert golden_values.compare(golden, host_jitter) == []  # +56%, but only 0.14 s
-    slower = {s: {"time/step_s": 0.41, "memory/peak_allocated_gib": 4.0} for s in records}
-    assert golden_values.compare(golden, slower) == ["time/step_s: median 0.41 vs golden 0.25 (+-15% or 0.15)"]
-    more_memory = {s: {"time/step_s": 0.25, "memory/peak_allocated_gib": 4.7} for s in records}
-    assert golden_values.compare(golden, more_memory) == [
+    golden = _golden(_records(**{"time/step_s": 0.25, "memory/peak_allocated_gib": 4.0}))
+    host_jitter = _records(**{"time/step_s": 0.39, "memory/peak_allocated_gib": 4.0})
+    assert golden_values.compare(golden, host_jitter, STEPS) == []  # +56%, but only 0.14 s
+    slower = _records(**{"time/step_s": 0.41, "memory/peak_allocated_gib": 4.0})
+    assert golden_values.compare(golden, slower, STEPS) == [
+        "time/step_s: median 0.41 vs golden 0.25 (+-15% or 0.15)"]
+    more_memory = _records(**{"time/step_s": 0.25, "memory/peak_allocated_gib": 4.7})
+    assert golden_values.compare(golden, more_memory, STEPS) == [
         "memory/peak_allocated_gib: median 4.7 vs golden 4 (+-15% or 0)"]  # no floor for memory
 
 
 def test_one_step_that_compiles_does_not_move_the_median():
-    records = {s: {"time/step_s": 1.0} for s in range(1, 6)}
-    golden = golden_values.golden_from_records(records)
-    records[4] = {"time/step_s": 3.6}  # a kernel compiled for a new shape
-    assert golden_values.compare(golden, records) == []
+    steps = [1, 2, 3, 4, 5]
+    records = {s: {**RECORDS[1], "time/step_s": 1.0} for s in steps}
+    golden = golden_values.golden_from_records(records, steps, STAMP)
+    records[4] = {**records[4], "time/step_s": 3.6}  # a kernel compiled for a new shape
+    assert golden_values.compare(golden, records, steps) == []
 
 
 def test_missing_steps_are_failures():
-    golden = golden_values.golden_from_records(RECORDS)
-    assert "loss: no value at steps ['3']" in golden_values.compare(golden, {1: RECORDS[1], 2: RECORDS[2]})
+    failures = golden_values.compare(_golden(), {1: RECORDS[1], 2: RECORDS[2]}, STEPS)
+    assert "loss: the run has no value at steps ['3']" in failures
+
+
+def test_regenerate_refuses_a_bi_run_whose_parity_is_not_0(tmp_path):
+    (tmp_path / "model_config.yaml").write_text(
+        "MODEL_ARGS: {--train-iters: 3, --batch-invariant-mode: true}\n")
+    case = golden_values.load_case(str(tmp_path))
+    records = _records()
+    records[2]["bit_wise/logprob_diff/max"] = 2.0 ** -20
+    with pytest.raises(ValueError, match=r"BI parity is not 0, refusing .*: step 2: "
+                                         r"bit_wise/logprob_diff/max = 9.5367431640625e-07"):
+        golden_values.regenerate(case, records, STAMP)
+    assert not (tmp_path / golden_values.GOLDEN).exists()
+    golden_values.regenerate(case, RECORDS, STAMP)
+    assert golden_values.compare(json.loads((tmp_path / golden_values.GOLDEN).read_text()), RECORDS, STEPS) == []
+
+
+def _segments(*steps):
+    return [[{"step": s} for s in segment] for segment in steps]
+
+
+def test_a_resume_case_must_log_the_step_after_the_checkpoint_first(tmp_path):
+    """A restarted run (nothing loaded) logs from step 1 again; under BI its later steps would
+    still equal the golden values."""
+    (tmp_path / "model_config.yaml").write_text("TEST_TYPE: ckpt-resume\nMODEL_ARGS: {--train-iters: 6}\n")
+    case = golden_values.load_case(str(tmp_path))
+    assert golden_values.case_steps(case) == [4, 5, 6]
+    assert sorted(golden_values._resumed_records(case, _segments([1, 2, 3], [4, 5, 6]))) == [4, 5, 6]
+    with pytest.raises(ValueError, match=r"logged steps \[\[1, 2, 3\], \[1, 2, 3, 4, 5, 6\]\]; "
+                                         r"expected 3 steps, then 4..6"):
+        golden_values._resumed_records(case, _segments([1, 2, 3], [1, 2, 3, 4, 5, 6]))
 
 
 @pytest.mark.parametrize("path", golden_values.all_cases())
@@ -107,3 +185,33 @@ def test_a_case_without_its_step_count_is_refused_when_read(tmp_path, text, prob
     (tmp_path / "model_config.yaml").write_text(text)
     with pytest.raises(ValueError, match=f"{tmp_path}/model_config.yaml: {problem}"):
         golden_values.load_case(str(tmp_path))
+
+
+# The published run each case's exact values must equal (same recipe and flags, same bits).
+PUBLISHED_RUN = {"gpt_tiny/bi_dense": "rl_tiny_h200.jsonl", "gpt_tiny/bi_resume": "rl_tiny_h200.jsonl",
+                 "gpt_tiny/bi_dp2": "rl_tiny_dp2_h200.jsonl", "hybrid_tiny/bi_hybrid": "rl_tiny_hybrid_h200.jsonl"}
+
+
+@pytest.mark.parametrize("path", golden_values.all_cases(), ids=lambda p: os.path.relpath(p, golden_values.CASES))
+def test_golden_files_carry_provenance_and_the_published_runs_values(path):
+    """A golden file says which run wrote it (a commit the run read from its tree, or one declared
+    for a file written before stamps, then backed by the published run's own stamp), and its exact
+    values are those of the published run of the same recipe: the bits reproduced. (Time and
+    memory are not compared here: two runs' timings are not the claim.)"""
+    from megatron_rl_bi.reporting.metrics import read_step_records
+    from megatron_rl_bi.reporting.provenance import read_stamps
+
+    name = os.path.relpath(path, golden_values.CASES)
+    golden = golden_values.read_object(os.path.join(path, golden_values.GOLDEN))
+    published = os.path.join(REPO, "results", PUBLISHED_RUN[name])
+    provenance = golden["provenance"]
+    if "declared_commit" in provenance:
+        assert provenance["same_values_as"] == os.path.relpath(published, REPO)
+        assert [s["git_commit"] for s in read_stamps(published)] == [provenance["declared_commit"]]
+    else:
+        assert len(provenance["git_commit"]) == 40 and len(provenance["source_hash"]) == 64
+    records = read_step_records(published)
+    steps = golden_values.case_steps(golden_values.load_case(path))
+    for metric in golden_values.EXACT:
+        assert sorted(golden[metric]["values"], key=int) == [str(s) for s in steps], metric
+        assert {s: golden[metric]["values"][str(s)] for s in steps} == {s: records[s][metric] for s in steps}

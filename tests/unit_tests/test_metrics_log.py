@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from megatron_rl_bi.reporting.metrics import MetricsLogger, read_step_records
+from megatron_rl_bi.reporting.metrics import MetricsLogger, read_segments, read_step_records
 
 
 def test_jsonl_has_a_run_header_and_step_records(tmp_path, capsys):
@@ -23,13 +23,14 @@ def test_read_step_records_keeps_the_latest_record_of_a_step(tmp_path):
     assert read_step_records(str(path)) == {1: {"step": 1, "x": 1}, 2: {"step": 2, "x": 3}}
 
 
-def test_git_commit_prefers_the_environment(monkeypatch):
-    from megatron_rl_bi.reporting.provenance import git_commit
-
-    monkeypatch.setenv("GIT_COMMIT", "f00d")
-    assert git_commit() == "f00d"
-    monkeypatch.delenv("GIT_COMMIT")
-    assert git_commit() not in ("f00d", "unknown")  # this checkout's HEAD
+def test_segments_are_the_records_of_each_process(tmp_path):
+    """Each `run` header opens a segment: a resumed process's records are the second one, so a
+    restart from step 1 and a resume at step 3 read differently even where the steps agree."""
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"run": {}}\n{"step": 1}\n{"step": 2}\n{"run": {}}\n{"run": {}}\n{"step": 3}\n')
+    assert read_segments(str(path)) == [[{"step": 1}, {"step": 2}], [{"step": 3}]]
+    path.write_text('{"step": 1}\n{"run": {}}\n{"step": 1}\n')  # a file without its first header
+    assert read_segments(str(path)) == [[{"step": 1}], [{"step": 1}]]
 
 
 def test_compare_metrics_ignores_timings_only():

@@ -22,8 +22,8 @@ def pretrain_rl(monkeypatch):
     spec.loader.exec_module(module)
     monkeypatch.setattr(module, "validate_installed_kernels", lambda args: None)  # FA4 is GPU-only
 
-    def initialize_distributed(*args, **kwargs):
-        raise ReachedTheGPU
+    def initialize_distributed(seed, **kwargs):
+        raise ReachedTheGPU(seed)
 
     monkeypatch.setattr(module, "initialize_distributed", initialize_distributed)
     return module
@@ -44,3 +44,39 @@ def test_bad_flags_end_the_run_with_their_list(pretrain_rl, tmp_path):
     with pytest.raises(SystemExit, match=r"(?s)^pretrain_rl.py: error: invalid arguments:\n"
                                          r"  --eval-interval must be >= 0, got -1\n.*: is a directory$"):
         pretrain_rl.main(TINY + ["--eval-interval", "-1", "--rl-eval-dataset", str(tmp_path)])
+
+
+ARGUMENT_DUMP = "------------------------ arguments ------------------------"
+
+
+def test_an_input_error_is_the_last_thing_printed(pretrain_rl, capsys):
+    """megatron-core's ~900-line argument dump waits until the inputs are read: a bad input's
+    message is not followed, or buried, by it."""
+    with pytest.raises(SystemExit, match="--rl-tokenizer"):
+        pretrain_rl.main(TINY + ["--vocab-size", "10"])
+    assert ARGUMENT_DUMP not in capsys.readouterr().out
+
+
+def test_a_run_that_starts_prints_the_arguments_once(pretrain_rl, capsys):
+    with pytest.raises(ReachedTheGPU):
+        pretrain_rl.main(TINY)
+    assert capsys.readouterr().out.count(ARGUMENT_DUMP) == 1
+
+
+def test_a_resumed_run_continues_with_its_checkpoints_seed(pretrain_rl, tmp_path, capsys):
+    """The prompts and samples of a run are functions of its seed: a requeued job that passes
+    another --seed continues the checkpoint's run, and says so."""
+    import torch
+
+    (tmp_path / "iter_0000003").mkdir()
+    torch.save({"step": 3, "ranks": [{"step": 3, "seed": 1234}]}, tmp_path / "iter_0000003" / "rl_state.pt")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3\n")
+    with pytest.raises(ReachedTheGPU) as reached:
+        pretrain_rl.main(TINY + ["--load", str(tmp_path), "--seed", "5"])
+    assert reached.value.args == (1234,)
+    assert f"--load {tmp_path}/iter_0000003: continuing with the checkpoint's --seed 1234 (given 5)" in (
+        capsys.readouterr().out)
+    with pytest.raises(ReachedTheGPU) as reached:  # a checkpoint written before seeds were saved
+        torch.save({"step": 3, "ranks": [{"step": 3}]}, tmp_path / "iter_0000003" / "rl_state.pt")
+        pretrain_rl.main(TINY + ["--load", str(tmp_path), "--seed", "5"])
+    assert reached.value.args == (5,)
