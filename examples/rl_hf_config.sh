@@ -17,5 +17,6 @@ torchrun --nproc-per-node 1 pretrain_rl.py --hf-checkpoint "$run/hf" "${common[@
   --lr 1e-6 --train-iters "$steps" --inference-max-seq-length 2048 \
   --rl-metrics-jsonl "$run/metrics.jsonl" --save-hf "$run/export" "$@"
 export_dir=$(ls -d "$run"/export/iter_* | tail -n 1)
-# verified in the mode it trained in (BI); the report is the last JSON object
-python tools/convert_hf.py verify --hf-checkpoint "$export_dir" "${common[@]}" --batch-invariant-mode | tee "$run/verify.log"
+# verified in the mode it trained in (BI); the report, with provenance, in $run/verify.json
+python tools/convert_hf.py verify --hf-checkpoint "$export_dir" "${common[@]}" --batch-invariant-mode \
+  --hf-verify-output "$run/verify.json"

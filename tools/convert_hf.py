@@ -9,7 +9,8 @@ r"""Hugging Face checkpoints <-> Megatron, through the same mapping `--hf-checkp
   # our bf16 logits vs transformers' fp32 forward on random tokens, next to transformers' own
   # bf16 forward (not a bitwise claim: other kernels); fails when ours is more than
   # VERIFY_FACTOR times further from fp32 than transformers' bf16 is
-  python tools/convert_hf.py verify --hf-checkpoint DIR --bf16 --flash-attention-version 4
+  python tools/convert_hf.py verify --hf-checkpoint DIR --bf16 --flash-attention-version 4 \
+      [--hf-verify-output results/verify_NAME.json]
 """
 
 import json
@@ -41,6 +42,7 @@ from megatron_rl_bi.config import (  # noqa: E402
 from megatron_rl_bi.config.rl_args import load_recipe  # noqa: E402
 from megatron_rl_bi.distributed import initialize_distributed  # noqa: E402
 from megatron_rl_bi.models.build import build_model  # noqa: E402
+from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
 
 MODES = ("import", "export", "verify")
 
@@ -89,6 +91,16 @@ def read_inputs(mode: str, argv: list[str]):
     return args, read_hf_model(args.hf_checkpoint)
 
 
+def write_verify_report(args, hf, report: dict) -> None:
+    """The verify report with its provenance, the checkpoint's architecture and the mode."""
+    config = {key: hf.text_config.get(key) for key in ("model_type", "num_hidden_layers", "hidden_size",
+                                                       "num_attention_heads", "vocab_size")}
+    with open(args.hf_verify_output, "w") as f:
+        json.dump({**provenance(), "hf_checkpoint": hf.path, "hf_config": config,
+                   "batch_invariant_mode": args.batch_invariant_mode, **report}, f, indent=2)
+    print(f"verify report: {args.hf_verify_output}")
+
+
 def main() -> None:
     if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help"):
         print(__doc__ + "\nMode flags: `python tools/convert_hf.py MODE --help` (pretrain_rl.py's flags).")
@@ -114,6 +126,8 @@ def main() -> None:
         if mode == "verify":
             report = verify(model, hf.path, hf.vocab_size)
             print(json.dumps(report, indent=2))
+            if args.hf_verify_output:
+                write_verify_report(args, hf, report)
             if not report["passed"]:
                 raise SystemExit(1)
     torch.distributed.destroy_process_group()

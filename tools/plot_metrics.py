@@ -74,6 +74,7 @@ def main() -> None:
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     plot(runs, args.png, args.title or args.jsonl)
+    print(f"curves: {args.png}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ flag given elsewhere that contradicts the checkpoint is an error naming both.
 """
 
 import argparse
+import os
 
 
 def add_hf_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -18,6 +19,9 @@ def add_hf_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "and every --save-hf-interval steps); needs --hf-checkpoint")
     group.add_argument("--save-hf-interval", type=int, default=0,
                        help="steps between --save-hf exports; 0: at the end only")
+    group.add_argument("--hf-verify-output", default=None, metavar="FILE",
+                       help="tools/convert_hf.py verify: also write the report, with provenance, "
+                       "to this JSON file")
     return parser
 
 
@@ -34,6 +38,8 @@ def checkpoint_flag_errors(args: argparse.Namespace, model_flags: dict, flag_nam
         errors.append("--save-hf needs --hf-checkpoint (the config and tokenizer to write)")
     if args.save_hf_interval and not args.save_hf:
         errors.append("--save-hf-interval needs --save-hf DIR")
+    if args.hf_verify_output and not os.path.isdir(os.path.dirname(os.path.abspath(args.hf_verify_output))):
+        errors.append(f"--hf-verify-output {args.hf_verify_output}: its directory does not exist")
     if args.hf_checkpoint and args.pretrained_checkpoint:
         errors.append("--hf-checkpoint and --pretrained-checkpoint both give the starting weights: "
                       "pass one")

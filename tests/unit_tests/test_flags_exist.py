@@ -12,7 +12,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 SOURCES = [
     *sorted((REPO / "megatron_rl_bi").rglob("*.py")), *sorted((REPO / "tools").glob("*.py")),
     *sorted((REPO / "bench").glob("*.py")), *sorted((REPO / "examples").rglob("*.*")),
-    REPO / "pretrain_rl.py", REPO / "README.md", REPO / "results" / "README.md",
+    REPO / "pretrain_rl.py", REPO / "README.md", REPO / "results" / "README.md", *sorted((REPO / "docs").glob("*.md")),
+    REPO / "tests" / "conftest.py",
 ]
 # A flag, not a prefix of one: `--rl-*`, `--inference-dynamic-batching-{...}` and `--no-...`
 # are patterns in prose and are not matched.
@@ -25,6 +26,7 @@ OTHER_PROGRAMS = {
     "--nodes": "sbatch", "--ntasks": "sbatch", "--ntasks-per-node": "sbatch",
     "--gpus-per-node": "sbatch", "--gpus": "sbatch", "--exclusive": "sbatch",
     "--job-name": "sbatch", "--time": "sbatch", "--requeue": "sbatch", "--kill-on-bad-exit": "srun",
+    "--test-report": "pytest (tests/conftest.py)",
     "--porcelain": "git status", "--untracked-files": "git status", "--format": "git archive",
 }
 
@@ -46,7 +48,8 @@ def _known_flags() -> set[str]:
                _module("bench/gdn_rule.py").build_parser(), _module("bench/gemm.py").build_parser(),
                _module("bench/decode_tail.py").build_parser(),
                _module("bench/suite.py").build_parser(),
-               _module("tools/plot_metrics.py").build_parser(), _module("tools/source_hash.py").build_parser()]
+               _module("tools/plot_metrics.py").build_parser(), _module("tools/source_hash.py").build_parser(),
+               _module("tools/results_docs.py").build_parser()]
     return {flag for parser in parsers for action in parser._actions for flag in action.option_strings}
 
 

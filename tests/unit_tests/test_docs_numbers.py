@@ -1,0 +1,110 @@
+"""Every measured number in the README and docs/ comes from a file in results/ (CPU): each one
+sits in a region that names its file and key, and says what the file says
+(tools/results_docs.py); no number with a unit of measure stands outside such a region; and
+results/README.md names, for every file, the commit stamped in it."""
+
+import importlib.util
+import os
+import pathlib
+import re
+
+import pytest
+
+from megatron_rl_bi.reporting.provenance import read_stamps
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("results_docs", REPO / "tools" / "results_docs.py")
+results_docs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(results_docs)
+
+DOCUMENTS = results_docs.documents()
+# A measurement: a number with a unit of time, size, rate or ratio, or in scientific notation
+# (with a point or a negative exponent: a commit such as 7e07206 is none).
+MEASURED = re.compile(r"(?<![\w.-])(?:\d[\d,]*(?:\.\d+)?(?:\s?(?:ms|µs|us|ns|s|min|GiB|MiB|GB|MB|KB|TB/s|GB/s|"
+                      r"TFLOP/s|tokens/s|tok/s)|%|x)(?![\w/])|\d\.\d+e-?\d+\b|\de-\d+\b)")
+# Where a number is not a claim: code blocks and spans (commands, flags, code values) and regions.
+NOT_PROSE = re.compile(r"```.*?```|`[^`\n]*`|<!-- value .*?<!-- /value -->|<!-- table .*?<!-- /table -->",
+                       re.DOTALL)
+
+
+def _name(path):
+    return str(path.relative_to(REPO))
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=_name)
+def test_every_number_matches_its_file(path):
+    text = path.read_text()
+    written, drifted, errors = results_docs.regenerate(text, _name(path))
+    assert errors == [] and drifted == [], "\n".join(errors + drifted)
+    assert written == text
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=_name)
+def test_no_measured_number_outside_a_region(path):
+    text = path.read_text()
+    prose = NOT_PROSE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
+    found = [f"{_name(path)}:{prose.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}"
+             for m in MEASURED.finditer(prose)]
+    assert not found, "numbers without a file (put them in a value region):\n" + "\n".join(found)
+
+
+def test_the_scan_and_the_check_see_what_they_must(tmp_path):
+    prose = "It took 3.9 s, 12% more, 1.13x the time, 4.65e-2 off; 8 prompts x 16 samples, 120 steps."
+    assert [m.group(0) for m in MEASURED.finditer(prose)] == ["3.9 s", "12%", "1.13x", "4.65e-2"]
+    region = ("<!-- value results/bench_h200.json models.dense16.generation_ratio {:.2f}x -->"
+              "{}<!-- /value -->")
+    right = region.replace("{}<!--", results_docs.render_value(
+        "results/bench_h200.json", "models.dense16.generation_ratio", "{:.2f}x") + "<!--")
+    assert results_docs.regenerate(right, "doc")[1:] == ([], [])
+    wrong = region.replace("{}<!--", "9.99x<!--")
+    written, drifted, errors = results_docs.regenerate(wrong, "doc")
+    assert errors == [] and len(drifted) == 1 and "the text says '9.99x'" in drifted[0]
+    assert written == right
+    missing = region.replace("generation_ratio", "no_such_key").replace("{}<!--", "1<!--")
+    assert "KeyError" in results_docs.regenerate(missing, "doc")[2][0]
+
+
+def test_expressions():
+    document = {"steps": [{"step": s, "r": s / 10, "m": {"k": [s, 2 * s]}} for s in range(1, 6)],
+                "rows": [{"shape": [32, 8], "t": 1.0}, {"shape": [64, 8], "t": 3.0}, {"shape": [32, 4], "t": 5.0}]}
+    assert results_docs.evaluate(document, "mean(steps[step=2:3].r)") == 0.25
+    assert results_docs.evaluate(document, "max(steps.m.k.1)") == 10
+    assert results_docs.evaluate(document, "steps.0.r") == 0.1
+    assert results_docs.evaluate(document, "sum(rows[shape.0=32].t)") == 6.0
+    assert results_docs.evaluate(document, "count(rows[1:])") == 2
+    assert results_docs.evaluate(document, "min(rows[shape.0=32][shape.1=0:5].t)") == 5.0
+    with pytest.raises(ValueError, match="selects nothing"):
+        results_docs.evaluate(document, "max(rows[shape.0=16].t)")
+
+
+def test_the_readme_fits_a_newcomer():
+    assert len((REPO / "README.md").read_text().splitlines()) <= 200
+
+
+def _provenance_rows() -> list[tuple[list[str], str]]:
+    """(files, commit) of each row of results/README.md's table."""
+    rows = []
+    for line in (REPO / "results" / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            files = []
+            for name in re.findall(r"`([^`]+)`", cells[0]):  # `.png`: the file before it, as a PNG
+                files.append(os.path.splitext(files[-1])[0] + name if name.startswith(".") else name)
+            rows.append((files, re.match(r"[0-9a-f]{7,40}", cells[2]).group(0)))
+    return rows
+
+
+def test_results_readme_names_every_file_and_its_stamped_commit():
+    rows = _provenance_rows()
+    listed = {f for files, _ in rows for f in files}
+    present = {p.name for p in (REPO / "results").iterdir() if p.name != "README.md"}
+    assert present - listed == set(), "files in results/ without a row"
+    assert listed - present == set(), "rows naming no file"
+    wrong = []
+    for files, commit in rows:
+        for name in files:
+            if name.endswith((".json", ".jsonl")):
+                stamped = {s["git_commit"] for s in read_stamps(str(REPO / "results" / name))}
+                wrong += [f"{name}: stamped {c[:12]}, the table says {commit}" for c in stamped
+                          if not c.startswith(commit)]
+    assert not wrong, "\n".join(wrong)
