@@ -9,6 +9,7 @@ checked without a GPU (flags, recipe, tokenizer, dataset lines) is checked befor
 """
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,10 @@ from megatron_rl_bi.checkpoints.megatron import latest_checkpoint, load_pretrain
 from megatron_rl_bi.config import parse_rl_args, print_arguments, validate_installed_kernels
 from megatron_rl_bi.config.from_args import (
     engine_config_from_args,
+    engine_shape,
+    levers_from_args,
     loop_config_from_args,
+    memory_run_from_args,
     rollout_config_from_args,
     sampling_from_args,
     step_config_from_args,
@@ -29,7 +33,16 @@ from megatron_rl_bi.envs import build_task
 from megatron_rl_bi.envs.reward_fn import RewardFnTask, load_reward_fn, with_reward_fn
 from megatron_rl_bi.envs.tasks import JsonlTask
 from megatron_rl_bi.envs.tokenizer import build_tokenizer
-from megatron_rl_bi.inference import Generator
+from megatron_rl_bi.inference import EngineConfig, Generator
+from megatron_rl_bi.memory import (
+    GIB,
+    format_plan,
+    kv_cache_bytes,
+    kv_cache_problem,
+    parameter_count,
+    pending_optimizer_bytes,
+    plan_memory,
+)
 from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.optimizer import build_ddp_and_optimizer, build_lr_scheduler
 from megatron_rl_bi.reporting.metrics import MetricsLogger
@@ -47,8 +60,8 @@ def build_reference_model(args: argparse.Namespace, policy) -> torch.nn.Module:
     return reference
 
 
-def build_logger(args: argparse.Namespace) -> MetricsLogger | None:
-    """Rank 0 logs; other ranks get None."""
+def build_logger(args: argparse.Namespace, memory_plan: dict) -> MetricsLogger | None:
+    """Rank 0 logs, its run header carrying the memory plan; other ranks get None."""
     if torch.distributed.get_rank() != 0:
         return None
     return MetricsLogger(
@@ -57,8 +70,37 @@ def build_logger(args: argparse.Namespace) -> MetricsLogger | None:
         tensorboard_dir=args.tensorboard_dir,
         wandb_project=args.wandb_project or None,
         run_config={k: str(v) for k, v in vars(args).items()},
-        run_info=provenance(),
+        run_info={**provenance(), "memory_plan": memory_plan},
     )
+
+
+def size_kv_cache(args: argparse.Namespace, config: EngineConfig, vocab_size: int) -> EngineConfig:
+    """The engine's config with --rl-kv-cache-memory-fraction of the memory free now (the trainer's
+    state placed) as its cache, less the optimizer state still to come before it generates;
+    unchanged without the flag. A cache too small for one request is an error naming the flags."""
+    levers = levers_from_args(args)
+    if levers.kv_cache_fraction is None:
+        return config
+    run = memory_run_from_args(args, vocab_size, torch.distributed.get_world_size(), 0)
+    pending = pending_optimizer_bytes(parameter_count(run.model), levers, run.data_parallel)
+    free, _ = torch.cuda.mem_get_info()
+    sized = dataclasses.replace(config, buffer_size_gb=kv_cache_bytes(free - pending, levers, run.engine) / GIB)
+    if problem := kv_cache_problem(run.model, engine_shape(sized),
+                                   f"--rl-kv-cache-memory-fraction {levers.kv_cache_fraction}"):
+        raise ValueError(problem)
+    print(f"KV cache: {sized.buffer_size_gb:.2f} GiB = {levers.kv_cache_fraction} x "
+          f"{(free - pending) / GIB:.2f} GiB free before generation", flush=True)
+    return sized
+
+
+def memory_plan(args: argparse.Namespace, vocab_size: int) -> dict:
+    """The plan of this run on this GPU, printed by rank 0; its summary for the run header."""
+    run = memory_run_from_args(args, vocab_size, torch.distributed.get_world_size(),
+                               torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    plan = plan_memory(run, levers_from_args(args))
+    if torch.distributed.get_rank() == 0:
+        print("memory plan (tools/memory_plan.py):\n" + format_plan(plan), flush=True)
+    return plan.summary()
 
 
 def model_vocab_size(args: argparse.Namespace, tokenizer) -> int:
@@ -124,8 +166,19 @@ def read_inputs(argv: list[str] | None) -> RunInputs:
         task = RewardFnTask(task, reward_fn)
         eval_examples = eval_examples and [with_reward_fn(e, reward_fn) for e in eval_examples]
     hf_model = read_hf_model(args.hf_checkpoint) if args.hf_checkpoint else None
-    return RunInputs(args, tokenizer, model_vocab_size(args, tokenizer), engine_config, task, eval_examples,
-                     hf_model)
+    vocab_size = model_vocab_size(args, tokenizer)
+    check_kv_cache(args, engine_config, vocab_size)
+    return RunInputs(args, tokenizer, vocab_size, engine_config, task, eval_examples, hf_model)
+
+
+def check_kv_cache(args: argparse.Namespace, config: EngineConfig, vocab_size: int) -> None:
+    """A configured cache (--inference-dynamic-batching-buffer-size-gb) must hold one request of
+    --inference-max-seq-length; a fraction's is checked once the free memory is known."""
+    if args.rl_kv_cache_memory_fraction is None:
+        run = memory_run_from_args(args, vocab_size, 1, 0)
+        if problem := kv_cache_problem(run.model, engine_shape(config),
+                                       f"--inference-dynamic-batching-buffer-size-gb {config.buffer_size_gb}"):
+            raise ValueError(problem)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -141,11 +194,13 @@ def main(argv: list[str] | None = None) -> None:
         model = build_policy(args, inputs.vocab_size, hf_model)
         ddp, optimizer = build_ddp_and_optimizer(args, model)
         lr_scheduler = build_lr_scheduler(args, optimizer)
-        generator = Generator(model, inputs.engine_config)
-        logger = build_logger(args)
-        reference = None
-        if args.grpo_kl_beta > 0:
-            reference = build_reference_model(args, model)
+        reference = build_reference_model(args, model) if args.grpo_kl_beta > 0 else None
+        try:
+            engine_config = size_kv_cache(args, inputs.engine_config, inputs.vocab_size)
+        except ValueError as exc:  # the cache holds no request: before any generation
+            raise SystemExit(f"pretrain_rl.py: error: {exc}") from None
+        generator = Generator(model, engine_config)
+        logger = build_logger(args, memory_plan(args, inputs.vocab_size))
         run_rl(ddp=ddp, optimizer=optimizer, generator=generator, task=task, tokenizer=tokenizer,
                rollout_config=rollout_config_from_args(args),
                step_config=step_config_from_args(args),

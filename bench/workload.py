@@ -9,7 +9,12 @@ import torch
 from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
 
 from bench.report import positive_int
-from megatron_rl_bi.config import parse_args, print_arguments, validate_batch_invariance
+from megatron_rl_bi.config import (
+    parse_args,
+    print_arguments,
+    validate_batch_invariance,
+    validate_installed_kernels,
+)
 from megatron_rl_bi.config.from_args import engine_config_from_args
 from megatron_rl_bi.distributed import initialize_distributed
 from megatron_rl_bi.inference import Generator, Sampling
@@ -99,6 +104,7 @@ def run_in_both_modes(extra_args_provider, measure: Callable) -> tuple[argparse.
     the flags."""
     args = parse_args(extra_args_provider=extra_args_provider)
     validate_batch_invariance(args, batch_invariant=True)
+    validate_installed_kernels(args)
     print_arguments(args)
     initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
     first, second = (False, True) if args.bench_default_first else (True, False)

@@ -100,6 +100,21 @@ def no_stack_dump_on_sigterm() -> None:
         faulthandler.unregister(signal_number)
 
 
+@contextlib.contextmanager
+def final_hidden_states(language_model):
+    """megatron-core 0.19.2's GPTModel and HybridModel run their LM head inside forward, over the
+    whole batch (GPTModel has an `output_processor` hook, HybridModel none). With `post_process`
+    off, both return the decoder's output instead (its final norm applied: the norm belongs to
+    the decoder), as a pipeline stage without the output layer does; models.logprobs runs the
+    head itself, in chunks. Remove once both models take an output hook."""
+    saved = language_model.post_process
+    language_model.post_process = False
+    try:
+        yield
+    finally:
+        language_model.post_process = saved
+
+
 def fla_chunk_backward_works() -> bool:
     """fla 0.6.0 refuses its chunked gated-delta-rule backward on Hopper (sm90) with Triton >= 3.4
     and < 3.7.1 (a Triton miscompile it guards against). Where it refuses, the BI rule's backward

@@ -17,13 +17,30 @@ import torch
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-# Published config.json values (Qwen/Qwen3-0.6B; Qwen/Qwen3.5-2B's text_config).
+# Published config.json values (Qwen/Qwen3-0.6B, Qwen/Qwen3-4B; Qwen/Qwen3.5-2B's and
+# Qwen/Qwen3.5-9B's text_config).
 PRESETS = {
     "qwen3-0.6b": dict(
         model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
         max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "qwen3-4b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "qwen3.5-9b": dict(
+        model_type="qwen3_5_text", vocab_size=248320, hidden_size=4096, intermediate_size=12288,
+        num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, attn_output_gate=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                         "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                         "mrope_interleaved": True},
     ),
     "qwen3.5-2b": dict(
         model_type="qwen3_5_text", vocab_size=248320, hidden_size=2048, intermediate_size=6144,
@@ -57,11 +74,21 @@ def save_tokenizer(path: str, vocab_size: int) -> int:
     return tokenizer.eos_token_id
 
 
-def save_model(path: str, preset: dict, eos_id: int, seed: int) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _config(preset: dict, eos_id: int):
+    from transformers import AutoConfig
 
     values = dict(preset)
-    config = AutoConfig.for_model(values.pop("model_type"), eos_token_id=eos_id, **values)
+    return AutoConfig.for_model(values.pop("model_type"), eos_token_id=eos_id, **values)
+
+
+def save_config(path: str, preset: dict, eos_id: int) -> None:
+    _config(preset, eos_id).save_pretrained(path)
+
+
+def save_model(path: str, preset: dict, eos_id: int, seed: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    config = _config(preset, eos_id)
     torch.manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
@@ -78,16 +105,26 @@ def save_prompts(path: str, count: int, seed: int) -> None:
             f.write(json.dumps({"prompt": f"what is {a} + {b} ? answer boxed", "answer": str(a + b)}) + "\n")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("preset", choices=sorted(PRESETS))
     parser.add_argument("out", help="directory for hf/ and math.jsonl")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    parser.add_argument("--config-only", action="store_true",
+                        help="write config.json and the tokenizer, no weights (enough for "
+                        "tools/memory_plan.py)")
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     preset = PRESETS[args.preset]
     hf = os.path.join(args.out, "hf")
     eos_id = save_tokenizer(hf, preset["vocab_size"])
-    save_model(hf, preset, eos_id, args.seed)
+    if args.config_only:
+        save_config(hf, preset, eos_id)
+    else:
+        save_model(hf, preset, eos_id, args.seed)
     save_prompts(os.path.join(args.out, "math.jsonl"), 256, args.seed)
 
 

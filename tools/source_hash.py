@@ -18,7 +18,7 @@ import tempfile
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_rl_bi.reporting.provenance import read_stamps, source_hash  # noqa: E402
+from megatron_rl_bi.reporting.provenance import read_stamps, source_hash, stamped_commit  # noqa: E402
 
 
 def commit_source_hash(commit: str, repo: pathlib.Path = REPO) -> str:
@@ -33,10 +33,11 @@ def commit_source_hash(commit: str, repo: pathlib.Path = REPO) -> str:
 
 
 def stamp_problems(path: str, repo: pathlib.Path = REPO) -> list[str]:
-    """Why each stamp of result file `path` does not tie it to a clean commit's code."""
+    """Why each stamp of result file `path` does not tie it to a clean commit's code (the
+    checkout's commit, or the declared one where the tree had no `.git`)."""
     problems = []
     for stamp in read_stamps(path):
-        commit, stamped = stamp.get("git_commit", "unknown"), stamp.get("source_hash")
+        commit, stamped = stamped_commit(stamp), stamp.get("source_hash")
         if stamped is None:
             problems.append(f"{path}: stamp of {commit} has no source_hash")
         elif commit == "unknown" or commit.endswith("-dirty"):

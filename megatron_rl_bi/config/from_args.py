@@ -3,7 +3,10 @@ them (the entry points pass the results on)."""
 
 import argparse
 
+from megatron.training.vocab_utils import calculate_padded_vocab_size
+
 from megatron_rl_bi.inference import EngineConfig, Sampling
+from megatron_rl_bi.memory import EngineShape, GIB, Levers, ModelShape, Recompute, RunShape
 from megatron_rl_bi.rl.loop import LoopConfig
 from megatron_rl_bi.rl.losses import LossConfig
 from megatron_rl_bi.rl.rollouts import RolloutConfig
@@ -27,6 +30,7 @@ def engine_config_from_args(args: argparse.Namespace, prompt_logprobs: bool = Fa
                      if args.cuda_graph_impl == "local" else None),
         cuda_graphs_decode_only=args.decode_only_cuda_graphs,
         async_scheduling=args.inference_dynamic_batching_async_sched_mode == "async",
+        kv_cache_management_mode=args.rl_kv_cache_management_mode,
     )
 
 
@@ -92,4 +96,44 @@ def loop_config_from_args(args: argparse.Namespace) -> LoopConfig:
         exit_interval=args.exit_interval or 0,
         exit_duration_s=(args.exit_duration_in_mins or 0) * 60,
         exit_signal=args.exit_signal if args.exit_signal_handler else None,
+        offload_optimizer_during_inference=args.rl_offload_optimizer_during_inference,
     )
+
+
+def model_shape_from_args(args: argparse.Namespace, vocab_size: int) -> ModelShape:
+    """The model's shape for the memory plan; `vocab_size` before Megatron's padding."""
+    layers = tuple(args.hybrid_layer_pattern) if args.hybrid_layer_pattern else ("*-",) * args.num_layers
+    return ModelShape(
+        layers=layers, hidden=args.hidden_size, ffn=args.ffn_hidden_size, heads=args.num_attention_heads,
+        kv_heads=args.num_query_groups if args.group_query_attention else args.num_attention_heads,
+        head_dim=args.kv_channels,
+        vocab=calculate_padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, 1, logging_enabled=False),
+        swiglu=args.swiglu, bias=args.add_bias_linear, tied=not args.untie_embeddings_and_output_weights,
+        qk_norm=args.qk_layernorm, output_gate=args.attention_output_gate,
+        gdn_key_heads=args.linear_num_key_heads or 0, gdn_value_heads=args.linear_num_value_heads or 0,
+        gdn_key_dim=args.linear_key_head_dim or 0, gdn_value_dim=args.linear_value_head_dim or 0,
+        gdn_conv_kernel=args.linear_conv_kernel_dim or 0, param_bytes=2 if args.bf16 or args.fp16 else 4,
+    )
+
+
+def engine_shape(config: EngineConfig) -> EngineShape:
+    return EngineShape(max_requests=config.max_requests, max_sequence_length=config.max_sequence_length,
+                       block_tokens=config.block_size_tokens, buffer_bytes=int(config.buffer_size_gb * GIB),
+                       cuda_graphs=config.cuda_graphs is not None)
+
+
+def levers_from_args(args: argparse.Namespace) -> Levers:
+    return Levers(
+        recompute=Recompute(args.recompute_granularity, args.recompute_method, args.recompute_num_layers or 1),
+        distributed_optimizer=args.use_distributed_optimizer, optimizer_cpu_offload=args.optimizer_cpu_offload,
+        offload_optimizer_during_inference=args.rl_offload_optimizer_during_inference,
+        kv_cache_mode=args.rl_kv_cache_management_mode, kv_cache_fraction=args.rl_kv_cache_memory_fraction,
+        reference_model=args.grpo_kl_beta > 0,
+    )
+
+
+def memory_run_from_args(args: argparse.Namespace, vocab_size: int, data_parallel: int,
+                         gpu_bytes: int) -> RunShape:
+    return RunShape(model=model_shape_from_args(args, vocab_size), engine=engine_shape(engine_config_from_args(args)),
+                    micro_batch_tokens=args.rl_micro_batch_tokens, data_parallel=data_parallel,
+                    gpu_bytes=gpu_bytes)

@@ -49,16 +49,22 @@ def add_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _flash_attention_error(version: int | None, batch_invariant: bool) -> str | None:
-    """Why `--flash-attention-version version` cannot run (None: it can): training attention
-    (FlashCoreAttention) runs 3 or 4, the generation the engine runs too."""
-    from megatron_rl_bi.attention import flash_varlen_function
-
-    if version is None:  # default mode picks the installed one (pick_flash_attention_version)
+def _bi_flash_attention_error(version: int | None) -> str | None:
+    """Why `--flash-attention-version version` cannot give BI parity (None: it can): both sides
+    must run one pinned generation with a fixed split schedule, 3 or 4."""
+    if version is None:
         return "--batch-invariant-mode needs --flash-attention-version 3 or 4"
-    if version == 2 and batch_invariant:
+    if version == 2:
         return ("--flash-attention-version 2 cannot be used with --batch-invariant-mode: FA2 has no "
                 "fixed num_splits schedule; use 3 or 4")
+    return None
+
+
+def _flash_attention_error(version: int) -> str | None:
+    """Why `--flash-attention-version version` cannot run here (None: it can): training attention
+    (FlashCoreAttention) runs 3 or 4, installed, the generation the engine runs too."""
+    from megatron_rl_bi.attention import flash_varlen_function
+
     try:
         flash_varlen_function(version)
     except (ImportError, ValueError) as exc:
@@ -72,7 +78,7 @@ def pick_flash_attention_version(args: argparse.Namespace) -> str | None:
     one named. With neither installed: the error, naming what each lacks."""
     if args.flash_attention_version is not None or args.batch_invariant_mode:
         return None
-    problems = {version: _flash_attention_error(version, False) for version in (4, 3)}
+    problems = {version: _flash_attention_error(version) for version in (4, 3)}
     installed = [version for version, problem in problems.items() if problem is None]
     if not installed:
         return ("training attention needs FlashAttention 3 or 4 (--flash-attention-version), and "
@@ -83,10 +89,13 @@ def pick_flash_attention_version(args: argparse.Namespace) -> str | None:
 
 
 def validate_installed_kernels(args: argparse.Namespace) -> None:
-    """The checks that need installed packages, in every mode (parse_args makes them only in BI
-    mode, so that CPU machines can parse a run's flags): one ValueError, before any GPU work. In
+    """The checks that need installed packages (parse_args makes none, so that a machine without
+    them, a planner's or CI's, can parse a run's flags): one ValueError, before any GPU work. In
     default mode a missing --flash-attention-version is the installed generation."""
-    problem = pick_flash_attention_version(args) or _flash_attention_error(args.flash_attention_version, False)
+    version = args.flash_attention_version
+    problem = (pick_flash_attention_version(args)
+               or (_bi_flash_attention_error(version) if args.batch_invariant_mode else None)
+               or _flash_attention_error(args.flash_attention_version))
     errors = [problem] if problem else []
     if not problem and args.flash_attention_version == 3:
         from megatron_rl_bi.attention import fa3_missing_head_dim
@@ -117,7 +126,7 @@ def validate_batch_invariance(args: argparse.Namespace, batch_invariant: bool | 
         errors.append(f"--attention-dropout {args.attention_dropout}: training attention runs "
                       "without dropout; use 0")
     if args.batch_invariant_mode if batch_invariant is None else batch_invariant:
-        if problem := _flash_attention_error(args.flash_attention_version, True):
+        if problem := _bi_flash_attention_error(args.flash_attention_version):
             errors.append(problem)
         if args.context_parallel_size != 1:
             errors.append(

@@ -90,6 +90,10 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--rl-metrics-jsonl", default=None, help="per-step metrics file")
     group.add_argument("--rl-keep-last-k", type=int, default=0,
                        help="keep only the newest K checkpoints under --save (0: all)")
+    group.add_argument("--rl-kv-cache-memory-fraction", type=float, default=None, metavar="F",
+                       help="size the engine's KV cache as this fraction of the GPU memory free when "
+                       "the engine is built, less the optimizer state still to come on the GPU "
+                       "(instead of --inference-dynamic-batching-buffer-size-gb)")
     return parser
 
 
@@ -187,16 +191,30 @@ UNUSED_MEGATRON_FLAGS = {
     "--eval-iters": "--rl-eval-dataset is evaluated whole every --eval-interval steps",
     "--save-retain-interval": "--rl-keep-last-k keeps the newest checkpoints",
     "--async-save": "checkpoints are written synchronously, then renamed into place",
+    "--rl-partial-rollouts": "generation runs synchronously, on the weights of the last step",
+    "--rl-generation-lag": "generation runs synchronously, on the weights of the last step",
+    "--refit-method": "the engine runs on the trainer's own module: no weights are copied",
+    "--rl-offload-inference-model-weights-when-idle": "the engine shares the trainer's weights",
+    "--rl-training-cuda-graphs": "the trainer runs eagerly; CUDA graphs are the engine's",
+    "--rl-inference-tensor-model-parallel-size": "the engine runs on the trainer's module (TP = 1)",
 }
 
 
-def unused_flag_errors(argv: list[str], recipe: dict) -> list[str]:
-    """An error for each flag of UNUSED_MEGATRON_FLAGS given on the command line or in the recipe
-    (silently ignoring it would run another job than the one asked for)."""
+def given_flags(argv: list[str], recipe: dict) -> set[str]:
+    """The flags given on the command line or in the recipe, each with its leading dashes."""
     given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
-    given |= {"--" + key.replace("_", "-") for key in recipe}
-    return [f"{flag}: not used by pretrain_rl.py ({why})"
-            for flag, why in UNUSED_MEGATRON_FLAGS.items() if flag in given]
+    return given | {"--" + key.replace("_", "-") for key in recipe}
+
+
+def unused_flag_errors(given: set[str]) -> list[str]:
+    """An error for each flag of UNUSED_MEGATRON_FLAGS among those `given` (silently ignoring it
+    would run another job than the one asked for), and for two flags that size the KV cache."""
+    errors = [f"{flag}: not used by pretrain_rl.py ({why})"
+              for flag, why in UNUSED_MEGATRON_FLAGS.items() if flag in given]
+    if {"--rl-kv-cache-memory-fraction", "--inference-dynamic-batching-buffer-size-gb"} <= given:
+        errors.append("--rl-kv-cache-memory-fraction and --inference-dynamic-batching-buffer-size-gb "
+                      "both size the KV cache: give one")
+    return errors
 
 
 def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -219,7 +237,7 @@ def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise ValueError(f"--rl-loss {loss}: expected one of {sorted(LOSS_PRESETS)}")
         parser.set_defaults(**LOSS_PRESETS[loss])
         parser.set_defaults(**recipe)
-        unused = [] if {"-h", "--help"} & set(argv) else unused_flag_errors(argv, recipe)
+        unused = [] if {"-h", "--help"} & set(argv) else unused_flag_errors(given_flags(argv, recipe))
         raise_if_invalid(unused)  # before Megatron's checks trip on them
         return parser
 
@@ -279,9 +297,31 @@ def logger_package_errors(args: argparse.Namespace) -> list[str]:
             if value and importlib.util.find_spec(package) is None]
 
 
+def memory_lever_errors(args: argparse.Namespace) -> list[str]:
+    """The memory levers this loop cannot honour, and why."""
+    errors = []
+    fraction = args.rl_kv_cache_memory_fraction
+    if fraction is not None and not 0 < fraction <= 1:
+        errors.append(f"--rl-kv-cache-memory-fraction must be in (0, 1], got {fraction}")
+    if args.rl_kv_cache_management_mode == "offload":
+        errors.append("--rl-kv-cache-management-mode offload keeps the cache's contents on the CPU "
+                      "through training, and every generation here starts from an empty cache: "
+                      "use recompute, which frees the same memory without the copies")
+    if args.rl_offload_optimizer_during_inference and not (args.bf16 or args.fp16):
+        errors.append("--rl-offload-optimizer-during-inference needs --bf16 or --fp16: without them "
+                      "the optimizer updates the model's own fp32 weights, which the engine needs")
+    if args.rl_persist_cuda_graphs and args.rl_kv_cache_management_mode != "persist":
+        errors.append("--rl-persist-cuda-graphs with --rl-kv-cache-management-mode "
+                      f"{args.rl_kv_cache_management_mode} needs the cache at the same addresses "
+                      "after it is reallocated (torch_memory_saver or unified memory, not set up "
+                      "here): leave it out, and the engine captures its graphs again each step")
+    return errors
+
+
 def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
     """One ValueError listing every bad RL flag (and `errors` found elsewhere)."""
-    errors = [*errors, *bound_errors(args), *input_path_errors(args), *logger_package_errors(args)]
+    errors = [*errors, *bound_errors(args), *input_path_errors(args), *logger_package_errors(args),
+              *memory_lever_errors(args)]
     if args.rl_dataset and args.rl_task != "jsonl":
         errors.append(f"--rl-dataset is read by --rl-task jsonl only (the task is {args.rl_task})")
     early_exit = [flag for flag, value in (("--exit-interval", args.exit_interval),

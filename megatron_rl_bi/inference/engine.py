@@ -12,7 +12,11 @@ the duration of a generation, so the trainer's forward between generations runs 
 from dataclasses import dataclass
 
 import torch
-from megatron.core.inference.config import InferenceConfig, MambaInferenceStateConfig
+from megatron.core.inference.config import (
+    InferenceConfig,
+    KVCacheManagementMode,
+    MambaInferenceStateConfig,
+)
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
 from megatron.core.inference.inference_request import Status
@@ -61,6 +65,10 @@ class EngineConfig:
     """megatron-core's async scheduling (--inference-dynamic-batching-async-sched-mode async):
     a step's next forward is prepared before its requests are resolved, so host bookkeeping
     overlaps the GPU. Which tokens run together changes; with BI their bits do not."""
+    kv_cache_management_mode: str = "persist"
+    """megatron-core's KVCacheManagementMode between generations (--rl-kv-cache-management-mode):
+    'persist' keeps the cache allocated; 'recompute' frees it (and GDN states) when a generation
+    ends and allocates it again (capturing the CUDA graphs again) when the next one starts."""
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -159,6 +167,7 @@ class Generator:
             use_cuda_graphs_for_non_decode_steps=not config.cuda_graphs_decode_only,
             async_sched_mode="async" if config.async_scheduling else "legacy",
             mamba_inference_state_config=gdn_inference_state_config(model),
+            kv_cache_management_mode=KVCacheManagementMode(config.kv_cache_management_mode),
         )
         context = DynamicInferenceContext(model.config, inference_config)
         controller = TextGenerationController(GPTInferenceWrapper(model, context), _TokenIdsOnly())
@@ -219,6 +228,7 @@ class Generator:
         self.model.eval()
         InferenceMode.set_active()
         try:
+            self.engine.resume()  # the cache back, where the last generation freed it
             self.engine.reset()
             self.engine.controller.sampling_rng.manual_seed(sampling.seed)
             device = torch.cuda.current_device()
@@ -231,6 +241,8 @@ class Generator:
             while self.engine.has_unfinished_requests():
                 self.engine.step_modern()
             records = [future.result().merge() for future in futures]
+            if self.config.kv_cache_management_mode != "persist":
+                self.engine.suspend()  # frees the cache while the trainer trains
         finally:
             InferenceMode.unset_active()
             self.model.train(was_training)

@@ -77,6 +77,13 @@ def provenance() -> dict:
     return stamp
 
 
+def stamped_commit(stamp: dict) -> str:
+    """The commit a stamp names: the checkout's, or, in a tree copied without `.git`, the one
+    declared in $GIT_COMMIT (which its source hash then has to match: tools/source_hash.py)."""
+    commit = stamp.get("git_commit", "unknown")
+    return stamp.get("declared_commit", commit) if commit == "unknown" else commit
+
+
 def read_stamps(path: str) -> list[dict]:
     """The provenance stamps of a result file: a JSON report's top level (or its `provenance`,
     for golden values), or each `{"run": ...}` header of a JSONL (one per process that wrote

@@ -7,6 +7,7 @@ ranks by Megatron's DDP. Every step's sampling seed is a function of (seed, step
 resumed from a checkpoint repeats the uninterrupted one.
 """
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -74,6 +75,23 @@ class LoopConfig:
     """Stop the same way after the step during which any rank received this signal
     (--exit-signal-handler, --exit-signal; e.g. SIGTERM ahead of a preemption); None: the
     signal keeps its default action."""
+    offload_optimizer_during_inference: bool = False
+    """The optimizer's GPU state (fp32 main weights, Adam moments) waits on the CPU while the
+    engine generates (--rl-offload-optimizer-during-inference; megatron-core's offload_to_cpu)."""
+
+
+@contextlib.contextmanager
+def _generating(optimizer, config: LoopConfig):
+    """The generation phase: with offload_optimizer_during_inference the optimizer's state is on
+    the CPU for its duration (moved, not recomputed: the bits come back as they went)."""
+    if not config.offload_optimizer_during_inference:
+        yield
+        return
+    optimizer.offload_to_cpu()
+    try:
+        yield
+    finally:
+        optimizer.restore_from_cpu()
 
 
 def _sft_warmup(ddp, optimizer, task, tokenizer, config: LoopConfig, logger) -> None:
@@ -128,11 +146,12 @@ def _restore_lr_schedule(lr_scheduler, state: dict, load_dir: str) -> None:
 
 
 def _rl_step(ddp, optimizer, generator, source, tokenizer, rollout_config, step_config,
-             sampling, weight_version, ref_model, lr_scheduler) -> dict:
+             sampling, weight_version, ref_model, lr_scheduler, config: LoopConfig) -> dict:
     """Generate, score, update; the step's global metrics with its timings."""
     step_start = time.time()
-    groups, stats = collect_rollouts(generator, source, tokenizer, sampling, rollout_config,
-                                     weight_version)
+    with _generating(optimizer, config):
+        groups, stats = collect_rollouts(generator, source, tokenizer, sampling, rollout_config,
+                                         weight_version)
     generation_s = time.time() - step_start
     rollouts = [r for group in groups for r in group]
     metrics = train_on_rollouts(ddp, optimizer, rollouts, step_config, ref_model, lr_scheduler)
@@ -233,11 +252,12 @@ def run_rl(
         for step in range(start_step + 1, config.steps + 1):
             step_sampling = dataclasses.replace(sampling, seed=sampling.seed + 1_000_003 * step + rank)
             metrics = _rl_step(ddp, optimizer, generator, source, tokenizer, rollout_config,
-                               step_config, step_sampling, weight_version, ref_model, lr_scheduler)
+                               step_config, step_sampling, weight_version, ref_model, lr_scheduler, config)
             weight_version += metrics["optimizer_steps"]
             if eval_examples and _due(step, config.eval_interval, last=False):
-                metrics.update(all_reduce_metrics(
-                    validation_terms(generator, eval_examples, tokenizer, sampling, config.seed)))
+                with _generating(optimizer, config):
+                    terms = validation_terms(generator, eval_examples, tokenizer, sampling, config.seed)
+                metrics.update(all_reduce_metrics(terms))
             metrics["weight_version"] = weight_version
             metrics["time/eta_s"] = (time.time() - started) / (step - start_step) * (config.steps - step)
             if logger:

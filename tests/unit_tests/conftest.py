@@ -2,6 +2,7 @@ import socket
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 
 def free_port() -> int:
@@ -37,3 +38,75 @@ def cpu_dispatch(monkeypatch):
     """
     if not torch.cuda.is_available():
         monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: None)
+
+
+class CudaRng:
+    """The CUDA generator's state, kept on the CPU."""
+
+    def __init__(self):
+        self.state = torch.zeros(16, dtype=torch.uint8)
+
+    def get(self, device="cuda"):
+        return self.state.clone()
+
+    def set(self, state, device="cuda"):
+        self.state = state.clone()
+
+
+def _on_cpu(factory):
+    def make(*args, device=None, **kwargs):
+        return factory(*args, device="cpu" if str(device).startswith("cuda") else device, **kwargs)
+    return make
+
+
+@pytest.fixture
+def cpu_training(gloo_group, monkeypatch):
+    """megatron-core's model, DDP, optimizer and checkpointing on CPU: where it hard-codes CUDA
+    (a few `device='cuda'` tensors, the CUDA RNG, stream syncs) the CPU takes its place;
+    attention does not run (see cpu_forward). Yields the CUDA RNG stand-in."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    from megatron_rl_bi.attention import flash
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        monkeypatch.setattr(torch, name, _on_cpu(getattr(torch, name)))
+    rng = CudaRng()
+    monkeypatch.setattr(torch.cuda, "get_rng_state", rng.get)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", rng.set)
+    monkeypatch.setattr(mcore_random, "_get_cuda_rng_state", lambda *a, **k: rng.get())
+    monkeypatch.setattr(mcore_random, "_set_cuda_rng_state", lambda state, *a, **k: rng.set(state))
+    monkeypatch.setattr(flash, "flash_varlen_function", lambda version: None)  # no forward runs
+    parallel_state.initialize_model_parallel(1, 1)
+    yield rng
+    parallel_state.destroy_model_parallel()
+
+
+def torch_varlen_attention(q, k, v, cu_seqlens_q, softmax_scale, causal, **unused):
+    """FlashAttention's varlen call, in torch: causal attention per packed sequence, GQA."""
+    bounds = cu_seqlens_q.tolist()
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q_, k_, v_ = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [heads, L, d]
+        repeat = q_.shape[0] // k_.shape[0]
+        k_, v_ = k_.repeat_interleave(repeat, 0), v_.repeat_interleave(repeat, 0)
+        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, scale=softmax_scale)
+        outs.append(out.transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.fixture
+def cpu_forward(cpu_training, single_config_autotune, monkeypatch):
+    """cpu_training, and the forward and backward too: attention runs the torch reference of
+    FlashAttention's varlen call, GDN fla's recurrent kernel (in the Triton interpreter) and the
+    torch chunked backward (fla's chunked kernels have no interpreter path)."""
+    from megatron_rl_bi import compat
+    from megatron_rl_bi.attention import flash
+    from megatron_rl_bi.models.gdn import SwitchedGatedDeltaNet
+
+    monkeypatch.setattr(flash, "flash_varlen_function", lambda version: torch_varlen_attention)
+    monkeypatch.setattr(compat, "fla_chunk_backward_works", lambda: False)
+    monkeypatch.setattr(SwitchedGatedDeltaNet, "_recurrent", staticmethod(lambda decode_only: True))
+    yield cpu_training

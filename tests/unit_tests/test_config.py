@@ -34,7 +34,13 @@ def test_pinned_generation_not_installed(monkeypatch):
         raise ImportError("flash_attn_3 is not importable")
 
     monkeypatch.setattr(flash, "_fa3_varlen", missing)
-    message = errors_for("--batch-invariant-mode", "--flash-attention-version", "3")
+    from megatron_rl_bi.config import validate_installed_kernels
+
+    args = parse_args(MODEL + ["--batch-invariant-mode", "--flash-attention-version", "3",
+                               "--transformer-impl", "local"])  # parsing needs no kernel installed
+    with pytest.raises(ValueError) as info:
+        validate_installed_kernels(args)
+    message = str(info.value)
     assert "--flash-attention-version 3 needs FlashAttention-3" in message
     assert "hopper" in message  # the install hint
 

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from megatron_rl_bi.reporting.provenance import read_stamps
+from megatron_rl_bi.reporting.provenance import read_stamps, stamped_commit
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("results_docs", REPO / "tools" / "results_docs.py")
@@ -104,7 +104,7 @@ def test_results_readme_names_every_file_and_its_stamped_commit():
     for files, commit in rows:
         for name in files:
             if name.endswith((".json", ".jsonl")):
-                stamped = {s["git_commit"] for s in read_stamps(str(REPO / "results" / name))}
+                stamped = {stamped_commit(s) for s in read_stamps(str(REPO / "results" / name))}
                 wrong += [f"{name}: stamped {c[:12]}, the table says {commit}" for c in stamped
                           if not c.startswith(commit)]
     assert not wrong, "\n".join(wrong)

@@ -19,6 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_checkpoints import save_qwen3, save_qwen35  # noqa: E402
 
+from .conftest import torch_varlen_attention  # noqa: E402
+
 from megatron_rl_bi import bi  # noqa: E402
 from megatron_rl_bi.checkpoints.hf import export_hf, load_hf_weights, read_hf_model  # noqa: E402
 from megatron_rl_bi.config import parse_rl_args  # noqa: E402
@@ -26,19 +28,6 @@ from megatron_rl_bi.packing import pack_sequences  # noqa: E402
 
 LOGITS_ATOL = 1e-5
 SEQUENCES = [[1, 3, 48, 49, 9, 46, 10, 2, 1, 4], [7, 8, 9], [20, 21, 22, 23, 24, 25, 26]]
-
-
-def torch_varlen_attention(q, k, v, cu_seqlens_q, softmax_scale, causal, **unused):
-    """FlashAttention's varlen call, in torch: causal attention per packed sequence, GQA."""
-    bounds = cu_seqlens_q.tolist()
-    outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        q_, k_, v_ = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [heads, L, d]
-        repeat = q_.shape[0] // k_.shape[0]
-        k_, v_ = k_.repeat_interleave(repeat, 0), v_.repeat_interleave(repeat, 0)
-        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, scale=softmax_scale)
-        outs.append(out.transpose(0, 1))
-    return torch.cat(outs)
 
 
 def _transformers_gdn_in_torch(monkeypatch):

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from megatron_rl_bi.reporting import provenance
-from megatron_rl_bi.reporting.provenance import read_stamps, source_hash
+from megatron_rl_bi.reporting.provenance import read_stamps, source_hash, stamped_commit
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("source_hash_tool", REPO / "tools" / "source_hash.py")
@@ -68,6 +68,9 @@ def test_stamps_are_checked_against_their_commit(tree, tmp_path_factory):
     commit = _git(tree, "rev-parse", "HEAD")
     files = tmp_path_factory.mktemp("results")
     stamps = {"good.json": {"git_commit": commit, "source_hash": source_hash(tree)},
+              "declared.json": {"git_commit": "unknown", "declared_commit": commit, "source_hash": source_hash(tree)},
+              "declared_wrongly.json": {"git_commit": "unknown", "declared_commit": commit,
+                                        "source_hash": "1" * 64},
               "bad.json": {"git_commit": commit, "source_hash": "0" * 64},
               "dirty.json": {"git_commit": commit + "-dirty", "source_hash": source_hash(tree)},
               "old.json": {"git_commit": commit}}
@@ -76,7 +79,8 @@ def test_stamps_are_checked_against_their_commit(tree, tmp_path_factory):
     (files / "two.jsonl").write_text("\n".join(json.dumps(r) for r in (
         {"run": stamps["good.json"]}, {"step": 1}, {"run": stamps["bad.json"]}, {"step": 2})))
     problems = {name: tool.stamp_problems(str(files / name), tree) for name in [*stamps, "two.jsonl"]}
-    assert problems["good.json"] == []
+    assert problems["good.json"] == [] and problems["declared.json"] == []  # a copy without .git
+    assert problems["declared_wrongly.json"][0].endswith(f"is not {commit[:12]}'s ({source_hash(tree)[:12]})")
     assert problems["bad.json"] == [f"{files}/bad.json: source_hash 000000000000 is not "
                                     f"{commit[:12]}'s ({source_hash(tree)[:12]})"]
     assert problems["dirty.json"] == [f"{files}/dirty.json: written from {commit}-dirty, not a clean commit"]
@@ -126,7 +130,7 @@ def _stamped_files() -> list[str]:
 @pytest.mark.parametrize("path", _stamped_files(), ids=lambda p: os.path.relpath(p, REPO))
 def test_result_files_match_the_code_of_their_commit(path):
     for stamp in read_stamps(path):
-        commit = stamp["git_commit"].removesuffix("-dirty")
+        commit = stamped_commit(stamp).removesuffix("-dirty")
         if subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO).returncode:
             pytest.skip(f"commit {commit} is not in this clone's history (a shallow clone)")
     assert tool.stamp_problems(path) == []

@@ -27,44 +27,6 @@ MODEL = ["--num-layers", "1", "--hidden-size", "16", "--ffn-hidden-size", "32",
          "--lr-warmup-iters", "1", "--train-iters", "10", "--clip-grad", "0"]
 
 
-class CudaRng:
-    """The CUDA generator's state, kept on the CPU."""
-
-    def __init__(self):
-        self.state = torch.zeros(16, dtype=torch.uint8)
-
-    def get(self, device="cuda"):
-        return self.state.clone()
-
-    def set(self, state, device="cuda"):
-        self.state = state.clone()
-
-
-def _on_cpu(factory):
-    def make(*args, device=None, **kwargs):
-        return factory(*args, device="cpu" if str(device).startswith("cuda") else device, **kwargs)
-    return make
-
-
-@pytest.fixture
-def cpu_training(gloo_group, monkeypatch):
-    from megatron.core import parallel_state
-
-    from megatron_rl_bi.attention import flash
-
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    for name in ("tensor", "zeros", "ones", "empty", "full"):
-        monkeypatch.setattr(torch, name, _on_cpu(getattr(torch, name)))
-    rng = CudaRng()
-    monkeypatch.setattr(torch.cuda, "get_rng_state", rng.get)
-    monkeypatch.setattr(torch.cuda, "set_rng_state", rng.set)
-    monkeypatch.setattr(flash, "flash_varlen_function", lambda version: None)  # no forward runs
-    parallel_state.initialize_model_parallel(1, 1)
-    yield rng
-    parallel_state.destroy_model_parallel()
-
-
 def _update(ddp, optimizer, lr_scheduler) -> None:
     """One optimizer update on the gradient of sum(w^2): Adam state and schedule move."""
     ddp.zero_grad_buffer()

@@ -233,8 +233,8 @@ def test_a_missing_tokenizer_directory_names_the_flag(tmp_path):
     ("no-rope-fusion: false", "apply_rope_fusion", False),           # store_false set false: left out
     ("disable-bias-linear: false", "add_bias_linear", True),         # (Megatron's default stays)
     ("add_bias_linear: true", "add_bias_linear", True),              # a destination takes the value
-    ("no-rl-partial-rollouts: true", "rl_partial_rollouts", False),  # --no- of a BooleanOptionalAction
-    ("rl-partial-rollouts: true", "rl_partial_rollouts", True),
+    ("no-rl-persist-cuda-graphs: true", "rl_persist_cuda_graphs", False),  # --no- of a BooleanOptionalAction
+    ("rl-persist-cuda-graphs: true", "rl_persist_cuda_graphs", True),
 ])
 def test_recipe_switch_forms(tmp_path, line, dest, expected):
     recipe = tmp_path / "r.yaml"
@@ -242,7 +242,7 @@ def test_recipe_switch_forms(tmp_path, line, dest, expected):
     assert getattr(parse_rl_args(MODEL + ["--recipe", str(recipe)]), dest) is expected
 
 
-@pytest.mark.parametrize("line", ["bf16: 'false'", "swiglu: 1", "no-rl-partial-rollouts: 'yes'"])
+@pytest.mark.parametrize("line", ["bf16: 'false'", "swiglu: 1", "no-rl-persist-cuda-graphs: 'yes'"])
 def test_every_switch_form_takes_true_or_false_only(tmp_path, line):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(line + "\n")

@@ -4,6 +4,7 @@ parity over engine-reported positions, the loss against a hand-computed value, t
 path of several updates, the TIS shadow loss, and the skipped step."""
 
 import json
+import types
 
 import pytest
 import torch
@@ -18,18 +19,37 @@ from megatron_rl_bi.rl.step import StepConfig, train_on_rollouts
 VOCAB = 11
 
 
+class _OutputLayer(torch.nn.Linear):
+    """megatron-core's ColumnParallelLinear API: forward(input, weight=None) -> (output, bias)."""
+
+    @property
+    def output_size(self):
+        return self.out_features
+
+    def forward(self, hidden, weight=None):
+        return super().forward(hidden), None
+
+
 class TinyDDP(torch.nn.Module):
-    """Embedding + output layer, called the way forward_logprobs calls Megatron's model; the DDP
-    methods the step uses."""
+    """Embedding + output layer with the language model's API forward_logprobs uses (post_process,
+    output_layer, config.params_dtype), and the DDP methods the step uses."""
+
+    share_embeddings_and_output_weights = False
 
     def __init__(self, vocab_size: int = VOCAB):
         super().__init__()
         torch.manual_seed(0)
         self.embed = torch.nn.Embedding(vocab_size, 8)
-        self.out = torch.nn.Linear(8, vocab_size)
+        self.output_layer = _OutputLayer(8, vocab_size)
+        self.post_process = True
+        self.config = types.SimpleNamespace(params_dtype=torch.float32)
 
     def forward(self, input_ids, position_ids, attention_mask, packed_seq_params):
-        return self.out(self.embed(input_ids))  # [1, T, V]
+        hidden = self.embed(input_ids).transpose(0, 1)  # [T, 1, h]
+        return self.output_layer(hidden)[0].transpose(0, 1) if self.post_process else hidden
+
+    def _scale_logits(self, logits):
+        return logits
 
     def zero_grad_buffer(self):
         self.zero_grad()

@@ -1,0 +1,396 @@
+"""The GPU memory of an RL run, planned before it starts: what each piece of state takes, in which
+phase (generation, training), and what to change when the peak does not fit.
+
+Parameter bytes follow megatron-core's `theoretical_memory_usage.num_bytes_per_parameter` (18 a
+parameter: bf16 weight, fp32 gradient, fp32 main weight and two Adam moments; the last three
+divided by the data-parallel size with the distributed optimizer). Beyond it: parameter counts
+of hybrid GDN layers (megatron-core's function refuses hybrid models), the engine's KV cache and
+GDN states (the arithmetic of megatron-core's DynamicInferenceContext), the RL levers that move
+state off the GPU during one phase, and activations of this package's layers, counted from the
+tensors their backward keeps (`activation_bytes_per_token`).
+"""
+
+import math
+from dataclasses import dataclass, field, replace
+
+GIB = 2**30
+ADAM_MOMENTS_BYTES = 8  # exp_avg and exp_avg_sq, fp32
+MAIN_PARAM_BYTES = 4  # the optimizer's fp32 copy of a bf16/fp16 weight
+GRAD_BYTES = 4  # megatron-core DDP's fp32 main_grad buffer
+# Rows of logits the trainer's LM head computes at once: a [rows, vocab] chunk stays under this
+# many elements (models.logprobs).
+LOGITS_CHUNK_ELEMENTS = 2**27
+LOGITS_BYTES_PER_ELEMENT = 16  # bf16 logits, fp32 copy, fp32 log-softmax, fp32 + bf16 gradients
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory depends on (config.from_args.model_shape_from_args reads it from the flags)."""
+
+    layers: tuple[str, ...]
+    """Megatron's layers in order, each as megatron-core's symbols: '*' attention, 'G' GDN, '-' MLP
+    (a dense GPT layer is '*-'; a hybrid pattern's symbols are a layer each)."""
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    """Padded vocabulary (Megatron's)."""
+    swiglu: bool = True
+    bias: bool = False
+    tied: bool = False
+    qk_norm: bool = False
+    output_gate: bool = False
+    gdn_key_heads: int = 0
+    gdn_value_heads: int = 0
+    gdn_key_dim: int = 0
+    gdn_value_dim: int = 0
+    gdn_conv_kernel: int = 0
+    param_bytes: int = 2
+
+    def count(self, symbol: str) -> int:
+        return sum(layer.count(symbol) for layer in self.layers)
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def gdn_dims(self) -> tuple[int, int, int]:
+        """(all key heads' width, all value heads' width, value heads)."""
+        return (self.gdn_key_heads * self.gdn_key_dim, self.gdn_value_heads * self.gdn_value_dim,
+                self.gdn_value_heads)
+
+
+def _linear(fan_in: int, fan_out: int, bias: bool) -> int:
+    return fan_in * fan_out + (fan_out if bias else 0)
+
+
+def layer_parameters(shape: ModelShape, symbol: str) -> int:
+    """Parameters of one layer of kind `symbol`, its input norm included."""
+    h, b = shape.hidden, shape.bias
+    if symbol == "-":
+        return h + _linear(h, shape.ffn * (2 if shape.swiglu else 1), b) + _linear(shape.ffn, h, b)
+    if symbol == "*":
+        q_out = shape.q_dim * (2 if shape.output_gate else 1)
+        norms = 2 * shape.head_dim if shape.qk_norm else 0
+        return h + _linear(h, q_out + 2 * shape.kv_dim, b) + _linear(shape.q_dim, h, b) + norms
+    if symbol == "G":
+        keys, values, value_heads = shape.gdn_dims
+        projected = 2 * keys + 2 * values + 2 * value_heads  # q, k, v, gate, beta, alpha
+        conv = (2 * keys + values) * shape.gdn_conv_kernel
+        return (h + _linear(h, projected, b) + conv + 2 * value_heads + shape.gdn_value_dim
+                + _linear(values, h, b))
+    raise ValueError(f"layer symbol {symbol!r}: expected '*', 'G' or '-'")
+
+
+def parameter_count(shape: ModelShape) -> int:
+    """Every parameter of the model: embedding, output layer unless tied, layers, final norm."""
+    embeddings = shape.vocab * shape.hidden * (1 if shape.tied else 2)
+    symbols = "".join(shape.layers)
+    return embeddings + sum(layer_parameters(shape, s) for s in symbols) + shape.hidden
+
+
+def activation_bytes_per_token(shape: ModelShape, symbol: str) -> int:
+    """Bytes a layer of kind `symbol` keeps for its backward, per token, in the params dtype (fp32
+    where the kernels keep fp32): the tensors each op saves, a view counted with its storage."""
+    h, e = shape.hidden, shape.param_bytes
+    norm = h * e + 4  # the norm's input and its fp32 1/rms
+    if symbol == "-":
+        up = shape.ffn * (2 if shape.swiglu else 1)
+        act = 2 * shape.ffn if shape.swiglu else shape.ffn  # silu(gate) and the product
+        return norm + (h + up + act) * e  # fc1 input, fc1 output, activation outputs
+    if symbol == "*":
+        q, kv = shape.q_dim, shape.kv_dim
+        qkv = q * (2 if shape.output_gate else 1) + 2 * kv  # fc input h, output kept by v's view
+        attention = q + kv + q  # rotated q and k, FlashAttention's output
+        gate = 2 * q if shape.output_gate else 0  # sigmoid(gate) and the gated output
+        return norm + (h + qkv + attention + gate) * e + 4 * shape.heads  # + FA's fp32 lse
+    keys, values, value_heads = shape.gdn_dims
+    projected = 2 * keys + 2 * values + 2 * value_heads
+    q_and_k = 2 * value_heads * shape.gdn_key_dim  # repeated to the value heads
+    bf16 = h + projected + q_and_k + values + value_heads + 3 * values  # + core, norm out, proj in
+    fp32 = 3 * value_heads + 2 * values + value_heads  # g and softplus, gate and silu, 1/rms
+    return norm + bf16 * e + fp32 * 4
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Megatron's activation recompute (--recompute-granularity/-method/-num-layers)."""
+
+    granularity: str | None = None
+    method: str | None = None
+    num_layers: int = 1
+
+
+def _layer_bytes(shape: ModelShape, layer: str, tokens: int) -> int:
+    return tokens * sum(activation_bytes_per_token(shape, s) for s in layer)
+
+
+def activation_bytes(shape: ModelShape, tokens: int, recompute: Recompute) -> int:
+    """Activations of one packed micro-batch of `tokens` at their peak: the end of the forward,
+    or, under full recompute, a checkpointed chunk's backward (the chunk recomputed, the layers
+    after it already freed, every earlier chunk's input kept)."""
+    full = [_layer_bytes(shape, layer, tokens) for layer in shape.layers]
+    boundary = tokens * shape.hidden * shape.param_bytes  # a checkpointed chunk's input
+    if recompute.granularity != "full":
+        return sum(full)
+    n = recompute.num_layers
+    if recompute.method == "block":  # the first n layers checkpointed one by one, the rest kept
+        return n * boundary + max(sum(full[n:]), max(full[:n], default=0))
+    chunks = [sum(full[i:i + n]) for i in range(0, len(full), n)]
+    return len(chunks) * boundary + max(chunks)
+
+
+def logits_bytes(shape: ModelShape, tokens: int) -> int:
+    """The trainer's LM head: the final hidden states, and one chunk of logits with its
+    log-softmax and gradients at a time."""
+    rows = min(tokens, max(1, LOGITS_CHUNK_ELEMENTS // shape.vocab))
+    return tokens * shape.hidden * (2 * shape.param_bytes + 4) + rows * shape.vocab * LOGITS_BYTES_PER_ELEMENT
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+def kv_bytes_per_token(shape: ModelShape) -> int:
+    """Keys and values of every attention layer, in the params dtype (megatron-core's block
+    arithmetic, per token)."""
+    return shape.param_bytes * 2 * shape.count("*") * shape.kv_dim
+
+
+def gdn_state_bytes_per_request(shape: ModelShape) -> int:
+    """A request's GDN states: conv [2K + V, kernel] in the params dtype, rule [HV, K, V] fp32."""
+    keys, values, value_heads = shape.gdn_dims
+    conv = (2 * keys + values) * shape.gdn_conv_kernel * shape.param_bytes
+    return shape.count("G") * (conv + value_heads * shape.gdn_key_dim * shape.gdn_value_dim * 4)
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """The engine's sizes (EngineConfig's)."""
+
+    max_requests: int
+    max_sequence_length: int
+    block_tokens: int
+    buffer_bytes: int
+    cuda_graphs: bool = False
+
+
+def kv_block_bytes(shape: ModelShape, engine: EngineShape) -> int:
+    return kv_bytes_per_token(shape) * engine.block_tokens
+
+
+def request_bytes(shape: ModelShape, engine: EngineShape) -> int:
+    """One request of the longest length: its KV blocks and its GDN states."""
+    blocks = math.ceil(engine.max_sequence_length / engine.block_tokens)
+    return blocks * kv_block_bytes(shape, engine) + gdn_state_bytes_per_request(shape)
+
+
+def kv_cache_problem(shape: ModelShape, engine: EngineShape, sized_by: str) -> str | None:
+    """Why the engine's cache cannot run one request of --inference-max-seq-length (None: it
+    can); `sized_by` names the flag that set its size. megatron-core reserves every request
+    slot's GDN states first, then splits the rest into KV blocks (one a dummy)."""
+    states = engine.max_requests * gdn_state_bytes_per_request(shape)
+    blocks = (engine.buffer_bytes - states) // kv_block_bytes(shape, engine)
+    needed = math.ceil(engine.max_sequence_length / engine.block_tokens) + 1
+    if blocks >= needed:
+        return None
+    return (f"{sized_by}: the KV cache of {engine.buffer_bytes / GIB:.2f} GiB holds {max(blocks - 1, 0)} "
+            f"blocks of {engine.block_tokens} tokens after the GDN states of "
+            f"--inference-dynamic-batching-max-requests {engine.max_requests} "
+            f"({states / GIB:.2f} GiB), fewer than one request of --inference-max-seq-length "
+            f"{engine.max_sequence_length} needs ({needed - 1}): give the cache more memory, or "
+            "lower --inference-max-seq-length or --inference-dynamic-batching-max-requests")
+
+
+def engine_buffer_bytes(shape: ModelShape, engine: EngineShape) -> int:
+    """What the engine holds besides its cache: under CUDA graphs, the fp32 logits of a decode
+    step's requests (compat.full_precision_graph_logits)."""
+    return engine.max_requests * shape.vocab * 4 if engine.cuda_graphs else 0
+
+
+# ----------------------------------------------------------------------------- the plan
+
+GENERATION, TRAINING = "generation", "training"
+BOTH = (GENERATION, TRAINING)
+
+
+@dataclass(frozen=True)
+class Levers:
+    """The flags that move memory (Megatron's names)."""
+
+    recompute: Recompute = field(default_factory=Recompute)
+    distributed_optimizer: bool = False  # --use-distributed-optimizer
+    optimizer_cpu_offload: bool = False  # --optimizer-cpu-offload
+    offload_optimizer_during_inference: bool = False  # --rl-offload-optimizer-during-inference
+    kv_cache_mode: str = "persist"  # --rl-kv-cache-management-mode
+    kv_cache_fraction: float | None = None  # --rl-kv-cache-memory-fraction
+    reference_model: bool = False  # --grpo-kl-beta > 0
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    bytes: int
+    phases: tuple[str, ...]
+    note: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    items: list[Item]
+    gpu_bytes: int
+    suggestions: list[str] = field(default_factory=list)
+
+    def phase_bytes(self, phase: str) -> int:
+        return sum(item.bytes for item in self.items if phase in item.phases)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.phase_bytes(phase) for phase in BOTH)
+
+    def item(self, name: str) -> Item:
+        return next(item for item in self.items if item.name == name)
+
+    def summary(self) -> dict:
+        """GiB of each item and of the peaks, for a run's header."""
+        return {**{item.name: item.bytes / GIB for item in self.items},
+                **{f"peak_{phase}": self.phase_bytes(phase) / GIB for phase in BOTH},
+                "peak": self.peak_bytes / GIB, "gpu": self.gpu_bytes / GIB}
+
+
+def optimizer_bytes(params: int, shape: ModelShape, levers: Levers, data_parallel: int) -> int:
+    """The optimizer's state on the GPU: fp32 main weights (of bf16/fp16 ones) and Adam's two
+    moments, sharded over data-parallel ranks by the distributed optimizer; none offloaded."""
+    if levers.optimizer_cpu_offload:
+        return 0
+    per_param = ADAM_MOMENTS_BYTES + (MAIN_PARAM_BYTES if shape.param_bytes < 4 else 0)
+    return params * per_param // (data_parallel if levers.distributed_optimizer else 1)
+
+
+def _state_items(shape: ModelShape, levers: Levers, data_parallel: int) -> list[Item]:
+    params = parameter_count(shape)
+    optimizer = optimizer_bytes(params, shape, levers, data_parallel)
+    where = ("on the CPU (--optimizer-cpu-offload)" if levers.optimizer_cpu_offload else
+             "fp32 main weights + Adam" + (f", 1/{data_parallel} each (distributed)" if levers.distributed_optimizer else ""))
+    items = [Item("weights", params * shape.param_bytes, BOTH, f"{params / 1e9:.2f}B parameters"),
+             Item("gradients", params * GRAD_BYTES, BOTH, "fp32 main_grad buffer"),
+             Item("optimizer", optimizer,
+                  (TRAINING,) if levers.offload_optimizer_during_inference else BOTH,
+                  where + (", CPU while generating" if levers.offload_optimizer_during_inference else ""))]
+    if levers.reference_model:
+        items.append(Item("KL reference weights", params * shape.param_bytes, (TRAINING,), "--grpo-kl-beta > 0"))
+    return items
+
+
+def pending_optimizer_bytes(params: int, levers: Levers, data_parallel: int) -> int:
+    """Optimizer state the GPU still receives after the engine is built and before it generates:
+    Adam's moments, allocated at the first update, unless they are on the CPU while it generates."""
+    if levers.optimizer_cpu_offload or levers.offload_optimizer_during_inference:
+        return 0
+    return params * ADAM_MOMENTS_BYTES // (data_parallel if levers.distributed_optimizer else 1)
+
+
+def kv_cache_bytes(free_bytes: int, levers: Levers, engine: EngineShape) -> int:
+    """The cache a run gives the engine: --rl-kv-cache-memory-fraction of `free_bytes` (the memory
+    free when the engine is built, less what the optimizer still allocates on the GPU before it
+    generates), or the configured --inference-dynamic-batching-buffer-size-gb."""
+    if levers.kv_cache_fraction is None:
+        return engine.buffer_bytes
+    return int(levers.kv_cache_fraction * max(free_bytes, 0))
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """Everything a plan depends on besides the levers."""
+
+    model: ModelShape
+    engine: EngineShape
+    micro_batch_tokens: int
+    data_parallel: int
+    gpu_bytes: int
+
+    @property
+    def trainer_tokens(self) -> int:
+        """The largest packed micro-batch: --rl-micro-batch-tokens, or one sequence of
+        --inference-max-seq-length (a longer sequence is a micro-batch of its own)."""
+        return max(self.micro_batch_tokens, self.engine.max_sequence_length)
+
+
+def plan_memory(run: RunShape, levers: Levers) -> MemoryPlan:
+    """Every piece of GPU state by phase, and the levers that would lower the peak."""
+    plan = MemoryPlan(_items(run, levers), run.gpu_bytes)
+    plan.suggestions = suggestions(run, levers, plan.peak_bytes)
+    return plan
+
+
+def _items(run: RunShape, levers: Levers) -> list[Item]:
+    shape, engine, tokens = run.model, run.engine, run.trainer_tokens
+    items = _state_items(shape, levers, run.data_parallel)
+    generating = sum(item.bytes for item in items if GENERATION in item.phases)
+    extra = engine_buffer_bytes(shape, engine)
+    kv = kv_cache_bytes(run.gpu_bytes - generating - extra, levers, engine)
+    kv_phases = BOTH if levers.kv_cache_mode == "persist" else (GENERATION,)
+    return items + [
+        Item("KV cache + GDN states", kv, kv_phases, f"--rl-kv-cache-management-mode {levers.kv_cache_mode}"),
+        Item("engine logits buffer", extra, (GENERATION,), "CUDA graphs: fp32 logits of a decode step"),
+        Item("activations", activation_bytes(shape, tokens, levers.recompute), (TRAINING,),
+             f"{tokens} tokens, recompute {levers.recompute.granularity or 'none'}"),
+        Item("LM head", logits_bytes(shape, tokens), (TRAINING,), "hidden states + one chunk of logits"),
+    ]
+
+
+def _variants(run: RunShape, levers: Levers) -> list[tuple[str, Levers]]:
+    """Each lever not in use, as flags and the levers with it."""
+    full = Recompute("full", "uniform", 1)
+    variants = [
+        ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+         levers.recompute == full, replace(levers, recompute=full)),
+        ("--rl-kv-cache-management-mode recompute", levers.kv_cache_mode != "persist",
+         replace(levers, kv_cache_mode="recompute")),
+        ("--rl-offload-optimizer-during-inference", levers.offload_optimizer_during_inference,
+         replace(levers, offload_optimizer_during_inference=True)),
+        (f"--use-distributed-optimizer (over {run.data_parallel} GPUs)",
+         levers.distributed_optimizer or run.data_parallel == 1, replace(levers, distributed_optimizer=True)),
+        ("--optimizer-cpu-offload --use-precision-aware-optimizer --use-distributed-optimizer",
+         levers.optimizer_cpu_offload, replace(levers, optimizer_cpu_offload=True, distributed_optimizer=True)),
+    ]
+    return [(flags, changed) for flags, in_use, changed in variants if not in_use]
+
+
+def suggestions(run: RunShape, levers: Levers, peak: int) -> list[str]:
+    """What each unused lever would make the peak, largest saving first (KV sized by fraction
+    stays the same fraction of what is free)."""
+    found = []
+    for flags, changed in _variants(run, levers):
+        other = max(sum(i.bytes for i in _items(run, changed) if p in i.phases) for p in BOTH)
+        if other < peak:
+            found.append((other, f"{flags}: peak {peak / GIB:.1f} -> {other / GIB:.1f} GiB"))
+    if run.micro_batch_tokens > run.engine.max_sequence_length:
+        half = replace(run, micro_batch_tokens=max(run.micro_batch_tokens // 2, run.engine.max_sequence_length))
+        other = max(sum(i.bytes for i in _items(half, levers) if p in i.phases) for p in BOTH)
+        found.append((other, f"--rl-micro-batch-tokens {half.micro_batch_tokens}: peak "
+                             f"{peak / GIB:.1f} -> {other / GIB:.1f} GiB"))
+    return [text for _, text in sorted(found)]
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The plan as a table, then whether the peak fits and what would lower it."""
+    rows = [f"{'':26} {'GiB':>8}  {'generation':>10}  {'training':>8}  note"]
+    for item in plan.items:
+        marks = ["x" if phase in item.phases else "" for phase in BOTH]
+        rows.append(f"{item.name:26} {item.bytes / GIB:8.2f}  {marks[0]:>10}  {marks[1]:>8}  {item.note}")
+    rows.append(f"{'peak, generation':26} {plan.phase_bytes(GENERATION) / GIB:8.2f}")
+    rows.append(f"{'peak, training':26} {plan.phase_bytes(TRAINING) / GIB:8.2f}")
+    fits = plan.peak_bytes <= plan.gpu_bytes
+    rows.append(f"predicted peak {plan.peak_bytes / GIB:.2f} GiB of {plan.gpu_bytes / GIB:.1f} GiB: "
+                + ("fits" if fits else "does NOT fit"))
+    if plan.suggestions:
+        rows.append("levers not in use:" if fits else "to make it fit:")
+        rows += [f"  {text}" for text in plan.suggestions]
+    return "\n".join(rows)

@@ -1,0 +1,58 @@
+"""The main job with each memory lever on (GPU): 20 steps of examples/recipes/tiny_sort.yaml in
+BI mode must repeat the published run (results/rl_tiny_h200.jsonl) in every value that is not a
+measurement of the machine: the levers move state between memories or recompute it with the
+same kernels, which changes no bit. The optimizer on the CPU (--optimizer-cpu-offload) runs
+torch's CPU Adam instead of the GPU's, so its updates round differently: it must keep parity 0 at
+every step instead."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_rl_bi.reporting.metrics import read_step_records
+
+from .conftest import REPO, TINY_RECIPE
+
+pytestmark = pytest.mark.gpu
+
+_spec = importlib.util.spec_from_file_location("compare_metrics", os.path.join(REPO, "tools", "compare_metrics.py"))
+compare_metrics = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compare_metrics)
+
+STEPS = 20
+LEVERS = {
+    "recompute full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    "recompute selective": ["--recompute-granularity", "selective"],
+    "distributed optimizer": ["--use-distributed-optimizer"],
+    "optimizer off the GPU while generating": ["--rl-offload-optimizer-during-inference"],
+    "KV cache freed while training": ["--rl-kv-cache-management-mode", "recompute"],
+    "KV cache sized from free memory": ["--rl-kv-cache-memory-fraction", "0.5"],
+}
+SAME_BITS_UNLESS = {"optimizer on the CPU": ["--use-distributed-optimizer", "--use-precision-aware-optimizer",
+                                             "--optimizer-cpu-offload"]}
+
+
+def _main_job(tmp_path, flags: list[str]) -> dict[int, dict]:
+    metrics = tmp_path / "m.jsonl"
+    subprocess.run([sys.executable, os.path.join(REPO, "pretrain_rl.py"), "--recipe", TINY_RECIPE,
+                    "--batch-invariant-mode", "--flash-attention-version", "4", "--train-iters", str(STEPS),
+                    "--rl-metrics-jsonl", str(metrics), "--save", str(tmp_path / "ckpt"), *flags],
+                   check=True, cwd=REPO)
+    return read_step_records(str(metrics))
+
+
+@pytest.mark.parametrize("lever", LEVERS)
+def test_the_main_job_repeats_its_published_bits(tmp_path, lever):
+    published = read_step_records(os.path.join(REPO, "results", "rl_tiny_h200.jsonl"))
+    expected = {step: published[step] for step in range(1, STEPS + 1)}
+    assert compare_metrics.differences(expected, _main_job(tmp_path, LEVERS[lever])) == []
+
+
+def test_the_optimizer_on_the_cpu_keeps_parity(tmp_path):
+    records = _main_job(tmp_path, SAME_BITS_UNLESS["optimizer on the CPU"])
+    assert sorted(records) == list(range(1, STEPS + 1))
+    for record in records.values():
+        assert record["bit_wise/logprob_diff/max"] == 0.0 and record["bit_wise/ratio_tokens_different"] == 0.0

@@ -1,0 +1,93 @@
+"""Memory levers on the GPU, BI mode: the trainer's chunked LM head gives the one-pass logprobs
+bit for bit; an engine that frees its KV cache between generations (--rl-kv-cache-management-
+mode recompute), eager and graphed, generates what a persistent one does, frees the memory, and
+keeps trainer parity; activation recompute keeps trainer parity."""
+
+import pytest
+import torch
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from megatron_rl_bi import bi
+from megatron_rl_bi.inference import EngineConfig, Generator, Sampling
+from megatron_rl_bi.models import logprobs as head
+from megatron_rl_bi.models.logprobs import forward_logprobs
+from megatron_rl_bi.packing import pack_sequences
+from megatron_rl_bi.parity.harness import random_requests, run_parity
+
+from .conftest import TINY_DENSE_ARGS, TINY_HYBRID_ARGS, VOCAB_SIZE, build, build_dense
+
+pytestmark = pytest.mark.gpu
+
+GRAPH_FLAGS = ["--cuda-graph-impl", "local", "--inference-cuda-graph-scope", "block"]
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+
+
+@pytest.fixture
+def bi_dense(distributed):
+    try:
+        yield build_dense(batch_invariant=True)
+    finally:
+        bi.disable()
+
+
+def test_the_chunked_head_gives_the_one_pass_logprobs(bi_dense, monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(0, VOCAB_SIZE, (n,), generator=generator).tolist() for n in (700, 33, 1200)]
+    batch = pack_sequences(sequences).to("cuda")
+    one_pass, _ = forward_logprobs(bi_dense, batch, with_entropy=False)
+    for rows in (1, 97, 512):
+        monkeypatch.setattr(head, "head_chunk_rows", lambda vocab, rows=rows: rows)
+        chunked, _ = forward_logprobs(bi_dense, batch, with_entropy=False)
+        assert torch.equal(chunked, one_pass), rows
+
+
+def _engine(mode: str, graphs: bool, decode_only: bool) -> EngineConfig:
+    return EngineConfig(max_requests=32, max_tokens=8192, max_sequence_length=1024, buffer_size_gb=2.0,
+                        cuda_graphs=-1 if graphs else None, cuda_graphs_decode_only=decode_only,
+                        kv_cache_management_mode=mode)
+
+
+MODELS = {"dense": (TINY_DENSE_ARGS, []), "hybrid": (TINY_HYBRID_ARGS, ["--decode-only-cuda-graphs"])}
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_an_engine_that_frees_its_cache_generates_the_same(distributed, name, graphs):
+    model_args, extra = MODELS[name]
+    model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=graphs, force_reset_rng=True)
+    try:
+        model = build(model_args, batch_invariant=True, extra=(GRAPH_FLAGS + extra) if graphs else [])
+        decode_only = bool(extra)
+        prompts, budgets = random_requests(24, (1, 300), (1, 64), VOCAB_SIZE, seed=7)
+        sampling = Sampling(temperature=1.0, seed=7)
+        persist = Generator(model, _engine("persist", graphs, decode_only))
+        expected = persist.generate(prompts, sampling, budgets)
+        del persist
+        freeing = Generator(model, _engine("recompute", graphs, decode_only))
+        for _ in range(2):  # after the first generation the cache is freed and made again
+            before = torch.cuda.memory_allocated()
+            got = freeing.generate(prompts, sampling, budgets)
+            assert torch.cuda.memory_allocated() <= before - 1.9 * 2**30  # the cache left the GPU
+            assert [g.completion_tokens for g in got] == [g.completion_tokens for g in expected]
+            assert [g.completion_logprobs for g in got] == [g.completion_logprobs for g in expected]
+        result = run_parity(model, freeing, prompts, budgets, sampling, micro_batch_tokens=6000, orders=1)
+        assert result["all_reported"]["bit_wise/logprob_diff/max"] == 0.0
+    finally:
+        bi.disable()
+        model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_recompute_keeps_trainer_parity(distributed, name):
+    model_args, _ = MODELS[name]
+    try:
+        model = build(model_args, batch_invariant=True, extra=RECOMPUTE)
+        assert model.config.recompute_granularity == "full"
+        generator = Generator(model, _engine("persist", False, False))
+        prompts, budgets = random_requests(16, (1, 300), (1, 64), VOCAB_SIZE, seed=3)
+        model.train()
+        result = run_parity(model, generator, prompts, budgets, Sampling(seed=3), micro_batch_tokens=6000,
+                            orders=1)
+        assert result["all_reported"]["bit_wise/logprob_diff/max"] == 0.0
+    finally:
+        bi.disable()

@@ -1,0 +1,175 @@
+"""The memory planner's arithmetic (CPU): parameter counts against megatron-core's built models,
+every item of a plan against hand-computed values for a dense and a hybrid model, each lever on
+and off, the KV cache check, the levers suggested, and the tool end to end."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+from megatron_rl_bi import bi, memory
+from megatron_rl_bi.config import parse_rl_args
+from megatron_rl_bi.config.from_args import model_shape_from_args
+from megatron_rl_bi.memory import (
+    GENERATION,
+    TRAINING,
+    EngineShape,
+    Levers,
+    ModelShape,
+    Recompute,
+    RunShape,
+    activation_bytes,
+    kv_bytes_per_token,
+    kv_cache_problem,
+    logits_bytes,
+    parameter_count,
+    plan_memory,
+)
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+COMMON = ["--seq-length", "64", "--max-position-embeddings", "64", "--use-cpu-initialization",
+          "--no-initialization", "--transformer-impl", "local", "--flash-attention-version", "4"]
+BUILT = {
+    "dense, tied": ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "48", "--num-attention-heads", "4",
+                    "--swiglu", "--disable-bias-linear"],
+    "dense, untied, biases, GQA, QK norm": [
+        "--num-layers", "3", "--hidden-size", "32", "--ffn-hidden-size", "40", "--num-attention-heads", "4",
+        "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "16", "--qk-layernorm",
+        "--untie-embeddings-and-output-weights"],
+    "hybrid, output gate": [
+        "--hybrid-layer-pattern", "G-*-G-", "--hidden-size", "32", "--ffn-hidden-size", "48",
+        "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "16",
+        "--swiglu", "--disable-bias-linear", "--qk-layernorm", "--attention-output-gate",
+        "--linear-num-key-heads", "2", "--linear-num-value-heads", "4", "--linear-key-head-dim", "8",
+        "--linear-value-head-dim", "8", "--linear-conv-kernel-dim", "4"],
+}
+
+
+@pytest.mark.parametrize("flags", BUILT.values(), ids=list(BUILT))
+def test_parameter_count_is_the_built_models(cpu_training, flags):
+    from megatron_rl_bi.models.build import build_model
+
+    args = parse_rl_args(COMMON + flags)
+    with bi.batch_invariant(False):
+        model = build_model(args, 50)
+    assert parameter_count(model_shape_from_args(args, 50)) == sum(p.numel() for p in model.parameters())
+
+
+# A dense model small enough to count by hand: 2 layers, hidden 4, FFN 8 (SwiGLU), 2 heads of 2,
+# 1 KV head, vocabulary 16 (tied), bf16.
+DENSE = ModelShape(layers=("*-", "*-"), hidden=4, ffn=8, heads=2, kv_heads=1, head_dim=2, vocab=16, tied=True)
+# One GDN layer and one MLP: key heads 1 x 2, value heads 2 x 2, conv kernel 4.
+HYBRID = ModelShape(layers=("G", "-"), hidden=4, ffn=8, heads=2, kv_heads=1, head_dim=2, vocab=16, tied=True,
+                    gdn_key_heads=1, gdn_value_heads=2, gdn_key_dim=2, gdn_value_dim=2, gdn_conv_kernel=4)
+
+
+def test_parameters_by_hand():
+    # dense: embedding 16*4; attention: norm 4 + qkv 4*(4 + 2*2) + proj 4*4 = 52;
+    # MLP: norm 4 + fc1 4*16 + fc2 8*4 = 100; two layers; final norm 4.
+    assert parameter_count(DENSE) == 64 + 2 * (52 + 100) + 4 == 372
+    # GDN: norm 4 + in_proj 4*(2*2 + 2*4 + 2*2) = 64 + conv (2*2 + 4)*4 = 32 + A_log and dt_bias 2*2
+    # + out norm 2 + out_proj 4*4 = 16 -> 122; MLP 100; embedding 64; final norm 4.
+    assert parameter_count(HYBRID) == 64 + 122 + 100 + 4 == 290
+
+
+def test_activations_by_hand():
+    # per token, bf16 (2 bytes): MLP: norm input 4*2 + 4 (1/rms) = 12, fc1 input 4, fc1 output 16,
+    # silu and product 16 -> 12 + 36*2 = 84. Attention: norm 12, qkv input 4 and output 8,
+    # rotated q 4 and k 2, output 4 -> 12 + 22*2, + fp32 lse 2 heads * 4 -> 64. A layer: 148.
+    assert activation_bytes(DENSE, 10, Recompute()) == 2 * 148 * 10
+    # full, uniform, 1 layer a chunk: 2 chunk inputs (10 tokens * 4 * 2 bytes) + one layer
+    assert activation_bytes(DENSE, 10, Recompute("full", "uniform", 1)) == 2 * 80 + 1480
+    # full, block, 1 layer: its input + the other layer (the larger of it and the recomputed one)
+    assert activation_bytes(DENSE, 10, Recompute("full", "block", 1)) == 80 + 1480
+    assert activation_bytes(DENSE, 10, Recompute("selective")) == 2 * 148 * 10  # FA keeps its inputs
+    # GDN, per token: norm 12; bf16: input 4, projected 2*2 + 2*4 + 2*2 = 16, q and k repeated to
+    # the value heads 2*2*2 = 8, v 4, beta 2, core/norm/proj inputs 3*4 -> 46 * 2 = 92;
+    # fp32: g and softplus 3*2, gate and silu 2*4, 1/rms 2 -> 16 * 4 = 64. Total 168.
+    assert memory.activation_bytes_per_token(HYBRID, "G") == 168
+
+
+def test_lm_head_by_hand(monkeypatch):
+    # hidden states: 10 * 4 * (2 bf16 + 4 fp32 copy + 2 bf16 cast); one chunk of 10 rows * 16 * 16
+    assert logits_bytes(DENSE, 10) == 10 * 4 * 8 + 10 * 16 * 16
+    monkeypatch.setattr(memory, "LOGITS_CHUNK_ELEMENTS", 48)  # 3 rows a chunk
+    assert logits_bytes(DENSE, 10) == 10 * 4 * 8 + 3 * 16 * 16
+
+
+def test_kv_cache_by_hand():
+    assert kv_bytes_per_token(DENSE) == 2 * 2 * 2 * 2  # bf16, key and value, 2 layers, 1 head of 2
+    # GDN states: conv (2*2 + 4) * 4 * 2 bytes = 64, rule 2 * 2 * 2 * 4 bytes = 32
+    assert memory.gdn_state_bytes_per_request(HYBRID) == 96
+
+
+def _run(shape=DENSE, buffer=1000, gpu=100_000, dp=1, tokens=10):
+    engine = EngineShape(max_requests=4, max_sequence_length=8, block_tokens=2, buffer_bytes=buffer)
+    return RunShape(model=shape, engine=engine, micro_batch_tokens=tokens, data_parallel=dp, gpu_bytes=gpu)
+
+
+def test_plan_by_hand_each_lever():
+    params = 372
+    plan = plan_memory(_run(), Levers())
+    assert {i.name: i.bytes for i in plan.items} == {
+        "weights": 2 * params, "gradients": 4 * params, "optimizer": 12 * params, "KV cache + GDN states": 1000,
+        "engine logits buffer": 0, "activations": 2960, "LM head": 2880}
+    assert plan.phase_bytes(GENERATION) == 18 * params + 1000
+    assert plan.phase_bytes(TRAINING) == 18 * params + 1000 + 2960 + 2880 == plan.peak_bytes
+    recompute = plan_memory(_run(), Levers(kv_cache_mode="recompute"))
+    assert recompute.phase_bytes(TRAINING) == 18 * params + 2960 + 2880  # the cache freed
+    offload = plan_memory(_run(), Levers(offload_optimizer_during_inference=True))
+    assert offload.phase_bytes(GENERATION) == 6 * params + 1000  # optimizer on the CPU meanwhile
+    assert plan_memory(_run(dp=4), Levers(distributed_optimizer=True)).item("optimizer").bytes == 12 * params // 4
+    assert plan_memory(_run(), Levers(optimizer_cpu_offload=True)).item("optimizer").bytes == 0
+    assert plan_memory(_run(), Levers(reference_model=True)).item("KL reference weights").bytes == 2 * params
+    full = plan_memory(_run(), Levers(recompute=Recompute("full", "uniform", 1)))
+    assert full.item("activations").bytes == 1640
+
+
+def test_kv_cache_sized_by_fraction_of_what_generation_leaves():
+    plan = plan_memory(_run(gpu=20_000), Levers(kv_cache_fraction=0.5))
+    assert plan.item("KV cache + GDN states").bytes == int(0.5 * (20_000 - 18 * 372))
+
+
+def test_suggestions_lower_the_peak_largest_saving_first():
+    shape = ModelShape(layers=("*-",) * 8, hidden=1024, ffn=4096, heads=16, kv_heads=16, head_dim=64, vocab=32000)
+    plan = plan_memory(_run(shape=shape, buffer=2 * memory.GIB, gpu=10 * memory.GIB, tokens=16384), Levers())
+    assert plan.peak_bytes > plan.gpu_bytes
+    peaks = [float(text.rsplit("-> ", 1)[1].split()[0]) for text in plan.suggestions]
+    assert peaks == sorted(peaks) and all(p < plan.peak_bytes / memory.GIB for p in peaks)
+    assert plan.suggestions[0].startswith("--recompute-granularity full")
+    assert any(text.startswith("--rl-kv-cache-management-mode recompute") for text in plan.suggestions)
+    assert "does NOT fit" in memory.format_plan(plan)
+
+
+def test_a_cache_that_holds_no_request_is_named_with_its_flags():
+    # 8 tokens need 4 blocks of 2 (+1 the engine keeps as a dummy); a block is 2 * 16 bytes = 32
+    assert kv_cache_problem(DENSE, _run(buffer=5 * 32).engine, "--x") is None
+    problem = kv_cache_problem(DENSE, _run(buffer=4 * 32).engine, "--inference-dynamic-batching-buffer-size-gb 1e-07")
+    assert problem.startswith("--inference-dynamic-batching-buffer-size-gb 1e-07: the KV cache of 0.00 GiB holds 3 "
+                              "blocks of 2 tokens")
+    assert "fewer than one request of --inference-max-seq-length 8 needs (4)" in problem
+    # GDN states of every request slot come off the top: 4 slots * 96 bytes
+    hybrid = ModelShape(**{**HYBRID.__dict__, "layers": ("G", "*", "-")})
+    assert kv_cache_problem(hybrid, _run(buffer=4 * 96 + 5 * 8 * 2).engine, "--x") is None
+    assert "--inference-dynamic-batching-max-requests 4" in kv_cache_problem(hybrid, _run(buffer=5 * 16).engine, "--x")
+
+
+def test_the_tool_prints_and_writes_the_plan(tmp_path, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("memory_plan", REPO / "tools" / "memory_plan.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    output = tmp_path / "plan.json"
+    monkeypatch.setattr("sys.argv", ["memory_plan.py", "--plan-gpus", "2", "--plan-output", str(output),
+                                     "--recipe", str(REPO / "examples" / "recipes" / "tiny_sort.yaml"),
+                                     "--batch-invariant-mode", "--flash-attention-version", "4",
+                                     "--use-distributed-optimizer"])
+    tool.main()
+    written = json.loads(output.read_text())
+    assert written["gpus"] == 2 and "source_hash" in written
+    assert written["plan_gib"]["peak"] == max(written["plan_gib"]["peak_generation"],
+                                              written["plan_gib"]["peak_training"])
+    assert "fp32 main weights + Adam, 1/2 each (distributed)" in capsys.readouterr().out
+    monkeypatch.setattr("sys.argv", ["memory_plan.py", "--plan-gpus", "0"])
+    with pytest.raises(SystemExit, match="--plan-gpus must be >= 1"):
+        tool.main()

@@ -1,0 +1,61 @@
+r"""The GPU memory an RL run will take, before it runs (megatron_rl_bi/memory.py): weights,
+gradients, optimizer, KV cache, activations, the LM head, by phase, the predicted peak, and the
+levers that would lower it. Takes pretrain_rl.py's flags (a recipe, --hf-checkpoint, ...) and the
+GPUs to plan for; no GPU is needed.
+
+  python tools/memory_plan.py --plan-gpus 1 --plan-gpu-memory-gib 139.8 \
+      --recipe examples/recipes/qwen3_math_dapo.yaml --hf-checkpoint /ckpt/Qwen3-4B
+  python tools/memory_plan.py ... --plan-output results/memory_plan_NAME.json   # also as JSON
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_rl_bi.config import parse_rl_args  # noqa: E402
+from megatron_rl_bi.config.from_args import levers_from_args, memory_run_from_args  # noqa: E402
+from megatron_rl_bi.envs.tokenizer import build_tokenizer  # noqa: E402
+from megatron_rl_bi.memory import GIB, format_plan, plan_memory  # noqa: E402
+from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
+
+H200_GIB = 139.8  # what torch reports as the H200's total memory
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     add_help=False)
+    parser.add_argument("--plan-gpus", type=int, default=1, help="data-parallel GPUs (TP = 1)")
+    parser.add_argument("--plan-gpu-memory-gib", type=float, default=H200_GIB,
+                        help="memory of one GPU, as torch reports it")
+    parser.add_argument("--plan-output", default=None, help="also write the plan as JSON")
+    return parser
+
+
+def vocab_size(args) -> int:
+    """The model's vocabulary before Megatron's padding: --vocab-size, else the tokenizer's."""
+    return args.vocab_size or build_tokenizer(args.rl_tokenizer, chat_template=False).vocab_size
+
+
+def main() -> None:
+    parser = build_parser()
+    own, rest = parser.parse_known_args()
+    try:
+        if own.plan_gpus < 1 or own.plan_gpu_memory_gib <= 0:
+            raise ValueError("--plan-gpus must be >= 1 and --plan-gpu-memory-gib > 0")
+        args = parse_rl_args(rest)
+        run = memory_run_from_args(args, vocab_size(args), own.plan_gpus, int(own.plan_gpu_memory_gib * GIB))
+    except ValueError as exc:
+        raise SystemExit(f"memory_plan.py: error: {exc}") from None
+    plan = plan_memory(run, levers_from_args(args))
+    print(format_plan(plan))
+    if own.plan_output:
+        with open(own.plan_output, "w") as f:
+            json.dump({**provenance(), "argv": rest, "gpus": own.plan_gpus, "plan_gib": plan.summary(),
+                       "suggestions": plan.suggestions}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
