@@ -242,6 +242,7 @@ class Generator:
                 self.engine.step_modern()
             records = [future.result().merge() for future in futures]
             if self.config.kv_cache_management_mode != "persist":
+                self.engine.reset()  # no request left for resume() to add again
                 self.engine.suspend()  # frees the cache while the trainer trains
         finally:
             InferenceMode.unset_active()
