@@ -3,7 +3,7 @@
 The code is named twice: by git (`git_commit`, HEAD of the checkout, `-dirty` with local
 changes) and by content (`source_hash`, a hash of the package's source files as they are on
 disk). The hash ties a result to code with or without `.git` (a copy of the tree on another
-machine may carry a stale one, or none): `python tools/source_hash.py --commit C` computes it
+machine may carry a stale one, or none: the H200's copies carry the session's first commit): `python tools/source_hash.py --commit C` computes it
 for a commit, to check a result's stamp. A commit given in $GIT_COMMIT is recorded as declared,
 beside what the checkout says, never instead of it.
 """
@@ -78,10 +78,12 @@ def provenance() -> dict:
 
 
 def stamped_commit(stamp: dict) -> str:
-    """The commit a stamp names: the checkout's, or, in a tree copied without `.git`, the one
-    declared in $GIT_COMMIT (which its source hash then has to match: tools/source_hash.py)."""
+    """The commit a stamp names: the checkout's when clean, else the one declared in $GIT_COMMIT
+    (a copy of the tree with no `.git`, or a stale one), which the stamp's source hash then has to
+    match (tools/source_hash.py)."""
     commit = stamp.get("git_commit", "unknown")
-    return stamp.get("declared_commit", commit) if commit == "unknown" else commit
+    unclean = commit == "unknown" or commit.endswith("-dirty")
+    return stamp.get("declared_commit", commit) if unclean else commit
 
 
 def read_stamps(path: str) -> list[dict]:

@@ -69,6 +69,8 @@ def test_stamps_are_checked_against_their_commit(tree, tmp_path_factory):
     files = tmp_path_factory.mktemp("results")
     stamps = {"good.json": {"git_commit": commit, "source_hash": source_hash(tree)},
               "declared.json": {"git_commit": "unknown", "declared_commit": commit, "source_hash": source_hash(tree)},
+              "stale_git.json": {"git_commit": "0" * 40 + "-dirty", "declared_commit": commit,
+                                 "source_hash": source_hash(tree)},
               "declared_wrongly.json": {"git_commit": "unknown", "declared_commit": commit,
                                         "source_hash": "1" * 64},
               "bad.json": {"git_commit": commit, "source_hash": "0" * 64},
@@ -79,7 +81,7 @@ def test_stamps_are_checked_against_their_commit(tree, tmp_path_factory):
     (files / "two.jsonl").write_text("\n".join(json.dumps(r) for r in (
         {"run": stamps["good.json"]}, {"step": 1}, {"run": stamps["bad.json"]}, {"step": 2})))
     problems = {name: tool.stamp_problems(str(files / name), tree) for name in [*stamps, "two.jsonl"]}
-    assert problems["good.json"] == [] and problems["declared.json"] == []  # a copy without .git
+    assert problems["good.json"] == problems["declared.json"] == problems["stale_git.json"] == []
     assert problems["declared_wrongly.json"][0].endswith(f"is not {commit[:12]}'s ({source_hash(tree)[:12]})")
     assert problems["bad.json"] == [f"{files}/bad.json: source_hash 000000000000 is not "
                                     f"{commit[:12]}'s ({source_hash(tree)[:12]})"]
