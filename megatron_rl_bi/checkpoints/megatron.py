@@ -43,7 +43,10 @@ def iteration_dir_name(step: int) -> str:
 def _sharded_state_dict(ddp, optimizer, is_loading: bool) -> dict:
     # The bare GPTModel's keys, as Megatron's own checkpoints have them (no DDP/Float16Module
     # prefixes), so checkpoints load into either wrapper and into Megatron-LM tools.
-    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    # The distributed optimizer's checkpoint layout megatron-core's training writes by default
+    # (checkpointing._build_sharded_state_dict_metadata); without it, a deprecated one that fails.
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
+                "distrib_optim_sharding_type": "dp_reshardable"}
     state = {"model": unwrap_model(ddp).sharded_state_dict(metadata=metadata)}
     state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
     return state
