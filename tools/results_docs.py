@@ -164,6 +164,15 @@ def _gdn_rule_table(*paths: str) -> str:
     return "\n".join(rows)
 
 
+def _memory_bench_table(*paths: str) -> str:
+    """bench/memory.py: each piece of GPU memory measured, and what the planner predicted."""
+    rows = ["| file | piece | measured GiB | planned GiB | planned / measured |", "| --- | --- | --- | --- | --- |"]
+    for path in paths:
+        rows += [f"| `{os.path.basename(path)}` | {row['component']} | {row['measured_gib']:.3f} "
+                 f"| {row['planned_gib']:.3f} | {row['planned_over_measured']:.2f} |" for row in load(path)["rows"]]
+    return "\n".join(rows)
+
+
 def _last_step_lines(path: str, plot: str) -> str:
     """The console's last lines of a pretrain_rl.py run: its last step's progress line, then
     the plot path tools/plot_metrics.py prints."""
@@ -175,7 +184,8 @@ def _last_step_lines(path: str, plot: str) -> str:
 
 
 TABLES = {"parity": _parity_table, "rl_runs": _rl_runs_table, "bench": _bench_table,
-          "decode_tail": _decode_tail_table, "gdn_rule": _gdn_rule_table, "last_step_lines": _last_step_lines}
+          "decode_tail": _decode_tail_table, "gdn_rule": _gdn_rule_table, "memory_bench": _memory_bench_table,
+          "last_step_lines": _last_step_lines}
 
 
 def render_table(name: str, *paths: str) -> str:
