@@ -17,7 +17,7 @@ import torch
 from megatron_rl_bi import bi
 from megatron_rl_bi.checkpoints.hf import HFModel, load_hf_weights, read_hf_model
 from megatron_rl_bi.checkpoints.megatron import latest_checkpoint, load_pretrained_weights, read_rl_state
-from megatron_rl_bi.config import parse_rl_args, print_arguments, validate_installed_kernels
+from megatron_rl_bi.config import installed_kernel_problem, parse_rl_args, print_arguments
 from megatron_rl_bi.config.from_args import (
     engine_config_from_args,
     engine_shape,
@@ -34,6 +34,7 @@ from megatron_rl_bi.envs.reward_fn import RewardFnTask, load_reward_fn, with_rew
 from megatron_rl_bi.envs.tasks import JsonlTask
 from megatron_rl_bi.envs.tokenizer import build_tokenizer
 from megatron_rl_bi.inference import EngineConfig, Generator
+from megatron_rl_bi.launch import launch_check
 from megatron_rl_bi.memory import (
     GIB,
     format_plan,
@@ -132,6 +133,8 @@ class RunInputs:
     task: object
     eval_examples: list | None
     hf_model: HFModel | None
+    kernel_problem: str | None = None
+    """With --launch-check: why this node could not run the kernels (the check goes on)."""
 
 
 def continue_checkpoint_seed(args: argparse.Namespace) -> None:
@@ -151,7 +154,7 @@ def read_inputs(argv: list[str] | None) -> RunInputs:
     of a checkpoint to resume, each checked: a bad one raises ValueError naming the flag, file
     or line."""
     args = parse_rl_args(argv)
-    validate_installed_kernels(args)
+    kernel_problem = installed_kernel_problem(args)
     continue_checkpoint_seed(args)
     tokenizer = build_tokenizer(args.rl_tokenizer, chat_template=not args.rl_no_chat_template)
     engine_config = engine_config_from_args(args, temperature=args.rl_default_temperature)
@@ -168,7 +171,7 @@ def read_inputs(argv: list[str] | None) -> RunInputs:
     hf_model = read_hf_model(args.hf_checkpoint) if args.hf_checkpoint else None
     vocab_size = model_vocab_size(args, tokenizer)
     check_kv_cache(args, engine_config, vocab_size)
-    return RunInputs(args, tokenizer, vocab_size, engine_config, task, eval_examples, hf_model)
+    return RunInputs(args, tokenizer, vocab_size, engine_config, task, eval_examples, hf_model, kernel_problem)
 
 
 def check_kv_cache(args: argparse.Namespace, config: EngineConfig, vocab_size: int) -> None:
@@ -187,6 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:  # bad input: the message names it, a traceback would bury it
         raise SystemExit(f"pretrain_rl.py: error: {exc}") from None
     print_arguments(inputs.args)
+    if inputs.args.launch_check:
+        launch_check(inputs.args.load, inputs.kernel_problem)
+        return
     args, tokenizer, task, hf_model = inputs.args, inputs.tokenizer, inputs.task, inputs.hf_model
 
     initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")

@@ -3,6 +3,7 @@ data-parallel ranks."""
 
 import math
 import os
+import socket
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,40 @@ def initialize_distributed(seed: int, cuda_graphs: bool = False) -> None:
             tensor_model_parallel_size=1, pipeline_model_parallel_size=1
         )
     model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graphs)
+
+
+def launch_processes() -> list[dict]:
+    """The launch check (--launch-check): the process group over gloo (no GPU) from torchrun's
+    environment, and megatron-core's data-parallel groups as a run builds them; every process's
+    rank, world size, node and data-parallel group, gathered on every rank."""
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        torch.distributed.init_process_group("gloo", rank=int(os.environ.get("RANK", 0)),
+                                             world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    mine = {"rank": torch.distributed.get_rank(), "world_size": torch.distributed.get_world_size(),
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+            "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+            "data_parallel_group": torch.distributed.get_process_group_ranks(
+                parallel_state.get_data_parallel_group())}
+    everyone = [None] * mine["world_size"]
+    torch.distributed.all_gather_object(everyone, mine)
+    return everyone
+
+
+def launch_problems(processes: list[dict]) -> list[str]:
+    """What is wrong with a launch: a rank missing or twice, a world size that ranks disagree
+    on, data-parallel groups other than all ranks (TP = PP = CP = 1)."""
+    world = processes[0]["world_size"]
+    problems = []
+    if sorted(p["rank"] for p in processes) != list(range(world)):
+        problems.append(f"ranks {sorted(p['rank'] for p in processes)}, expected 0..{world - 1} once each")
+    if {p["world_size"] for p in processes} != {world}:
+        problems.append(f"world sizes {sorted({p['world_size'] for p in processes})} differ between ranks")
+    problems += [f"rank {p['rank']}: data-parallel group {p['data_parallel_group']}, expected all {world} ranks"
+                 for p in processes if p["data_parallel_group"] != list(range(world))]
+    return problems
 
 
 @dataclass

@@ -21,15 +21,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_rl_bi import bi  # noqa: E402
 from megatron_rl_bi.config import (  # noqa: E402
+    installed_kernel_problem,
     parse_args,
     print_arguments,
     raise_if_invalid,
     validate_batch_invariance,
-    validate_installed_kernels,
 )
 from megatron_rl_bi.config.from_args import engine_config_from_args  # noqa: E402
 from megatron_rl_bi.distributed import initialize_distributed  # noqa: E402
 from megatron_rl_bi.inference import Generator, Sampling  # noqa: E402
+from megatron_rl_bi.launch import launch_check  # noqa: E402
 from megatron_rl_bi.models.build import build_model, cpu_state_dict  # noqa: E402
 from megatron_rl_bi.parity.harness import random_requests, run_parity  # noqa: E402
 from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
@@ -103,10 +104,13 @@ def main() -> None:
     try:
         args = parse_args(extra_args_provider=add_parity_args)
         check_request_sizes(args)
-        validate_installed_kernels(args)
+        kernel_problem = installed_kernel_problem(args)
     except ValueError as exc:  # bad input: the message names it, a traceback would bury it
         raise SystemExit(f"check_parity.py: error: {exc}") from None
     print_arguments(args)
+    if args.launch_check:
+        launch_check(args.load, kernel_problem)
+        return
     initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
     prompts, budgets = random_requests(
         args.parity_requests, tuple(args.parity_prompt_lengths),

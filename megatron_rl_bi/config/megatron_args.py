@@ -109,6 +109,18 @@ def validate_installed_kernels(args: argparse.Namespace) -> None:
     raise_if_invalid(errors)
 
 
+def installed_kernel_problem(args: argparse.Namespace) -> str | None:
+    """validate_installed_kernels; under --launch-check (a pre-flight, maybe on a node without
+    the GPU packages) its error is returned for the check to report instead of raised."""
+    try:
+        validate_installed_kernels(args)
+    except ValueError as exc:
+        if not args.launch_check:
+            raise
+        return str(exc)
+    return None
+
+
 def validate_batch_invariance(args: argparse.Namespace, batch_invariant: bool | None = None) -> None:
     """Raises one ValueError listing every flag that breaks trainer/engine parity, in BI mode
     when `batch_invariant` (default: --batch-invariant-mode) is true."""
@@ -179,9 +191,19 @@ def validate_save_interval(args: argparse.Namespace) -> None:
         raise_if_invalid([f"--save-interval must be >= 1 with --save, got {args.save_interval}"])
 
 
+def add_launch_check_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("megatron_rl_bi: launch")
+    group.add_argument("--launch-check", action="store_true",
+                       help="do everything up to the first GPU work (flags, inputs, torch.distributed "
+                       "over gloo, megatron-core's data-parallel groups), print each process's world "
+                       "size, rank, node and data-parallel group and the step a --load would resume "
+                       "from, and exit: a pre-flight of a cluster launch")
+    return parser
+
+
 def _provider(extra_args_provider):
     def provider(parser):
-        parser = add_defaults(parser)
+        parser = add_launch_check_args(add_defaults(parser))
         parser = extra_args_provider(parser) if extra_args_provider else parser
         compat.escape_help_percent_signs(parser)
         return parser

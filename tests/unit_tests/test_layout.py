@@ -28,6 +28,7 @@ ALLOWED = {
     "optimizer": set(),
     "memory": set(),
     "checkpoints": {"jsonfile", "packing"},
+    "launch": {"checkpoints", "distributed"},
     "rl": {"checkpoints", "distributed", "envs", "inference", "models", "packing", "parity", "reporting",
            "bi", "compat", "jsonfile", "optimizer", "attention"},
 }

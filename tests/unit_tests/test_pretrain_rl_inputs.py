@@ -20,7 +20,7 @@ def pretrain_rl(monkeypatch):
     spec = importlib.util.spec_from_file_location("pretrain_rl", os.path.join(REPO, "pretrain_rl.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    monkeypatch.setattr(module, "validate_installed_kernels", lambda args: None)  # FA4 is GPU-only
+    monkeypatch.setattr(module, "installed_kernel_problem", lambda args: None)  # FA4 is GPU-only
 
     def initialize_distributed(seed, **kwargs):
         raise ReachedTheGPU(seed)
@@ -80,3 +80,18 @@ def test_a_resumed_run_continues_with_its_checkpoints_seed(pretrain_rl, tmp_path
         torch.save({"step": 3, "ranks": [{"step": 3}]}, tmp_path / "iter_0000003" / "rl_state.pt")
         pretrain_rl.main(TINY + ["--load", str(tmp_path), "--seed", "5"])
     assert reached.value.args == (5,)
+
+
+def test_the_launch_check_runs_on_a_cpu_machine_and_says_what_it_lacks(capsys):
+    """--launch-check: no GPU work; one process here (gloo), the verdict, and the kernels this
+    machine could not run (FlashAttention is not installed on CPU)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_rl.py"), *TINY, "--batch-invariant-mode",
+                             "--launch-check"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "launch check: rank 0 of 1 on " in result.stdout
+    assert "launch check passed: 1 processes on 1 nodes" in result.stdout
+    assert "no --load: would start a fresh run" in result.stdout
+    assert "this node could not run the GPU work: invalid arguments:" in result.stdout

@@ -1,0 +1,46 @@
+"""The launch check (--launch-check): a run's launch, without its GPU work. Every process joins
+the process group over gloo and builds megatron-core's data-parallel groups as a run would, says
+where it landed, and rank 0 says whether the launch is whole (every rank once, one world size,
+the groups a data-parallel run needs) and the step a --load would resume from: a pre-flight of a
+cluster job (examples/slurm/*.sbatch), runnable on CPU-only nodes."""
+
+import torch
+
+from megatron_rl_bi.checkpoints.megatron import latest_checkpoint, read_rl_state
+from megatron_rl_bi.distributed import launch_problems, launch_processes
+
+
+def resume_line(load_dir: str | None) -> tuple[str, list[str]]:
+    """Where a run with --load `load_dir` would start, and what would stop it resuming here."""
+    if not load_dir:
+        return "no --load: would start a fresh run", []
+    path = latest_checkpoint(load_dir)
+    if path is None:
+        return f"--load {load_dir}: no checkpoint yet, would start a fresh run", []
+    ranks = read_rl_state(path)
+    world = torch.distributed.get_world_size()
+    problems = [] if len(ranks) == world else [
+        f"{path} was written by {len(ranks)} data-parallel ranks; this launch has {world}"]
+    return f"--load {load_dir}: would resume from {path} (step {ranks[0]['step']})", problems
+
+
+def launch_check(load_dir: str | None, kernel_problem: str | None = None) -> None:
+    """Prints this process's place; rank 0 prints the verdict, and `kernel_problem` (the kernels
+    this node lacks: a GPU run would stop there, the launch is judged without them).
+    SystemExit(1) on any problem of the launch."""
+    processes = launch_processes()
+    me = processes[torch.distributed.get_rank()]
+    print(f"launch check: rank {me['rank']} of {me['world_size']} on {me['node']} (local rank "
+          f"{me['local_rank']}), data-parallel group {me['data_parallel_group']}", flush=True)
+    resume, problems = resume_line(load_dir)
+    problems = launch_problems(processes) + problems
+    if me["rank"] == 0:
+        nodes = sorted({p["node"] for p in processes})
+        verdict = "FAILED: " + "; ".join(problems) if problems else "passed"
+        print(f"launch check {verdict}: {me['world_size']} processes on {len(nodes)} nodes "
+              f"({', '.join(nodes)}); {resume}", flush=True)
+        if kernel_problem:
+            print(f"launch check: this node could not run the GPU work: {kernel_problem}", flush=True)
+    torch.distributed.destroy_process_group()
+    if problems:
+        raise SystemExit(1)

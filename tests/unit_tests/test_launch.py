@@ -1,0 +1,37 @@
+"""The launch check's verdict (CPU): every rank once, one world size, data-parallel groups of all
+ranks; and where a --load would resume (tests/functional_tests/slurm runs it under Slurm)."""
+
+import torch
+
+from megatron_rl_bi.distributed import launch_problems
+from megatron_rl_bi.launch import resume_line
+
+
+def _process(rank, world=4, group=None):
+    return {"rank": rank, "world_size": world, "local_rank": rank % 2, "node": f"node{rank // 2}",
+            "data_parallel_group": list(range(world)) if group is None else group}
+
+
+def test_a_whole_launch_has_no_problem():
+    assert launch_problems([_process(r) for r in range(4)]) == []
+
+
+def test_a_missing_or_doubled_rank_another_world_size_or_group_is_named():
+    assert launch_problems([_process(r) for r in (0, 1, 1, 3)]) == ["ranks [0, 1, 1, 3], expected 0..3 once each"]
+    assert launch_problems([_process(0), _process(1), _process(2), _process(3, world=5)]) == [
+        "world sizes [4, 5] differ between ranks",
+        "rank 3: data-parallel group [0, 1, 2, 3, 4], expected all 4 ranks"]
+    assert launch_problems([_process(0), _process(1, group=[1]), _process(2), _process(3)]) == [
+        "rank 1: data-parallel group [1], expected all 4 ranks"]
+
+
+def test_where_a_load_would_resume(tmp_path, gloo_group):
+    assert resume_line(None) == ("no --load: would start a fresh run", [])
+    assert resume_line(str(tmp_path)) == (f"--load {tmp_path}: no checkpoint yet, would start a fresh run", [])
+    (tmp_path / "iter_0000005").mkdir()
+    torch.save({"step": 5, "ranks": [{"step": 5}]}, tmp_path / "iter_0000005" / "rl_state.pt")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5\n")
+    assert resume_line(str(tmp_path)) == (f"--load {tmp_path}: would resume from {tmp_path}/iter_0000005 (step 5)", [])
+    torch.save({"step": 5, "ranks": [{"step": 5}] * 2}, tmp_path / "iter_0000005" / "rl_state.pt")
+    assert resume_line(str(tmp_path))[1] == [
+        f"{tmp_path}/iter_0000005 was written by 2 data-parallel ranks; this launch has 1"]
