@@ -185,12 +185,6 @@ def kv_block_bytes(shape: ModelShape, engine: EngineShape) -> int:
     return kv_bytes_per_token(shape) * engine.block_tokens
 
 
-def request_bytes(shape: ModelShape, engine: EngineShape) -> int:
-    """One request of the longest length: its KV blocks and its GDN states."""
-    blocks = math.ceil(engine.max_sequence_length / engine.block_tokens)
-    return blocks * kv_block_bytes(shape, engine) + gdn_state_bytes_per_request(shape)
-
-
 def kv_cache_problem(shape: ModelShape, engine: EngineShape, sized_by: str) -> str | None:
     """Why the engine's cache cannot run one request of --inference-max-seq-length (None: it
     can); `sized_by` names the flag that set its size. megatron-core reserves every request
@@ -264,13 +258,18 @@ class MemoryPlan:
                 "peak": self.peak_bytes / GIB, "gpu": self.gpu_bytes / GIB}
 
 
+def _per_rank(state_bytes: int, levers: Levers, data_parallel: int) -> int:
+    """One rank's share of optimizer state: all of it, or 1/DP with the distributed optimizer."""
+    return state_bytes // (data_parallel if levers.distributed_optimizer else 1)
+
+
 def optimizer_bytes(params: int, shape: ModelShape, levers: Levers, data_parallel: int) -> int:
     """The optimizer's state on the GPU: fp32 main weights (of bf16/fp16 ones) and Adam's two
     moments, sharded over data-parallel ranks by the distributed optimizer; none offloaded."""
     if levers.optimizer_cpu_offload:
         return 0
     per_param = ADAM_MOMENTS_BYTES + (MAIN_PARAM_BYTES if shape.param_bytes < 4 else 0)
-    return params * per_param // (data_parallel if levers.distributed_optimizer else 1)
+    return _per_rank(params * per_param, levers, data_parallel)
 
 
 def _state_items(shape: ModelShape, levers: Levers, data_parallel: int) -> list[Item]:
@@ -293,7 +292,7 @@ def pending_optimizer_bytes(params: int, levers: Levers, data_parallel: int) -> 
     Adam's moments, allocated at the first update, unless they are on the CPU while it generates."""
     if levers.optimizer_cpu_offload or levers.offload_optimizer_during_inference:
         return 0
-    return params * ADAM_MOMENTS_BYTES // (data_parallel if levers.distributed_optimizer else 1)
+    return _per_rank(params * ADAM_MOMENTS_BYTES, levers, data_parallel)
 
 
 def kv_cache_bytes(free_bytes: int, levers: Levers, engine: EngineShape) -> int:
