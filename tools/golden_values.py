@@ -138,7 +138,8 @@ def run_case(case: Case, workdir: str, resume: bool) -> tuple[dict[int, dict], d
         _pretrain_rl(case, common)
         records = {r["step"]: r for segment in read_segments(metrics) for r in segment}
     stamp = {k: v for k, v in read_stamps(metrics)[0].items() if k != "config"}
-    return {s: r for s, r in records.items() if s in case_steps(case)}, stamp
+    wanted = set(case_steps(case))
+    return {s: r for s, r in records.items() if s in wanted}, stamp
 
 
 def golden_from_records(records: dict[int, dict], steps: list[int], stamp: dict) -> dict:
