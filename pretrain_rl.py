@@ -40,15 +40,15 @@ from megatron_rl_bi.memory import (
     format_plan,
     kv_cache_bytes,
     kv_cache_problem,
+    optimizer_growth_before_generation,
     parameter_count,
-    pending_optimizer_bytes,
     plan_memory,
 )
 from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.optimizer import build_ddp_and_optimizer, build_lr_scheduler
 from megatron_rl_bi.reporting.metrics import MetricsLogger
 from megatron_rl_bi.reporting.provenance import provenance
-from megatron_rl_bi.rl.loop import run_rl
+from megatron_rl_bi.rl.loop import generating, run_rl
 
 
 def build_reference_model(args: argparse.Namespace, policy) -> torch.nn.Module:
@@ -76,21 +76,23 @@ def build_logger(args: argparse.Namespace, memory_plan: dict) -> MetricsLogger |
 
 
 def size_kv_cache(args: argparse.Namespace, config: EngineConfig, vocab_size: int) -> EngineConfig:
-    """The engine's config with --rl-kv-cache-memory-fraction of the memory free now (the trainer's
-    state placed) as its cache, less the optimizer state still to come before it generates;
+    """The engine's config with --rl-kv-cache-memory-fraction of the memory free while it generates
+    as its cache: free now (the trainer's state placed), less the optimizer state still to come
+    before it generates, plus what leaves the GPU then (--rl-offload-optimizer-during-inference);
     unchanged without the flag. A cache too small for one request is an error naming the flags."""
     levers = levers_from_args(args)
     if levers.kv_cache_fraction is None:
         return config
     run = memory_run_from_args(args, vocab_size, torch.distributed.get_world_size(), 0)
-    pending = pending_optimizer_bytes(parameter_count(run.model), levers, run.data_parallel)
-    free, _ = torch.cuda.mem_get_info()
-    sized = dataclasses.replace(config, buffer_size_gb=kv_cache_bytes(free - pending, levers, run.engine) / GIB)
+    growth = optimizer_growth_before_generation(parameter_count(run.model), run.model, levers, run.data_parallel)
+    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # torch's, free to reuse
+    free = torch.cuda.mem_get_info()[0] + cached - growth
+    sized = dataclasses.replace(config, buffer_size_gb=kv_cache_bytes(free, levers, run.engine) / GIB)
     if problem := kv_cache_problem(run.model, engine_shape(sized),
                                    f"--rl-kv-cache-memory-fraction {levers.kv_cache_fraction}"):
         raise ValueError(problem)
     print(f"KV cache: {sized.buffer_size_gb:.2f} GiB = {levers.kv_cache_fraction} x "
-          f"{(free - pending) / GIB:.2f} GiB free before generation", flush=True)
+          f"{free / GIB:.2f} GiB free while generating", flush=True)
     return sized
 
 
@@ -205,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
             engine_config = size_kv_cache(args, inputs.engine_config, inputs.vocab_size)
         except ValueError as exc:  # the cache holds no request: before any generation
             raise SystemExit(f"pretrain_rl.py: error: {exc}") from None
-        generator = Generator(model, engine_config)
+        with generating(optimizer, args.rl_offload_optimizer_during_inference):
+            generator = Generator(model, engine_config)  # its cache sized for this phase
         logger = build_logger(args, memory_plan(args, inputs.vocab_size))
         run_rl(ddp=ddp, optimizer=optimizer, generator=generator, task=task, tokenizer=tokenizer,
                rollout_config=rollout_config_from_args(args),

@@ -287,18 +287,23 @@ def _state_items(shape: ModelShape, levers: Levers, data_parallel: int) -> list[
     return items
 
 
-def pending_optimizer_bytes(params: int, levers: Levers, data_parallel: int) -> int:
-    """Optimizer state the GPU still receives after the engine is built and before it generates:
-    Adam's moments, allocated at the first update, unless they are on the CPU while it generates."""
-    if levers.optimizer_cpu_offload or levers.offload_optimizer_during_inference:
+def optimizer_growth_before_generation(params: int, shape: ModelShape, levers: Levers,
+                                       data_parallel: int) -> int:
+    """How many more optimizer bytes the GPU holds while the engine generates than when it is
+    built (negative: fewer). At the build the fp32 main weights are placed and Adam's moments not
+    yet (they come with the first update); while generating the whole state is there, or none
+    of it with --rl-offload-optimizer-during-inference; on the CPU it is never on the GPU."""
+    if levers.optimizer_cpu_offload:
         return 0
-    return _per_rank(params * ADAM_MOMENTS_BYTES, levers, data_parallel)
+    placed = _per_rank(params * (MAIN_PARAM_BYTES if shape.param_bytes < 4 else 0), levers, data_parallel)
+    generating = 0 if levers.offload_optimizer_during_inference else optimizer_bytes(params, shape, levers, data_parallel)
+    return generating - placed
 
 
 def kv_cache_bytes(free_bytes: int, levers: Levers, engine: EngineShape) -> int:
     """The cache a run gives the engine: --rl-kv-cache-memory-fraction of `free_bytes` (the memory
-    free when the engine is built, less what the optimizer still allocates on the GPU before it
-    generates), or the configured --inference-dynamic-batching-buffer-size-gb."""
+    free while it generates: free at its build, less optimizer_growth_before_generation), or the
+    configured --inference-dynamic-batching-buffer-size-gb."""
     if levers.kv_cache_fraction is None:
         return engine.buffer_bytes
     return int(levers.kv_cache_fraction * max(free_bytes, 0))

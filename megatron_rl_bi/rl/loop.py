@@ -81,10 +81,11 @@ class LoopConfig:
 
 
 @contextlib.contextmanager
-def _generating(optimizer, config: LoopConfig):
-    """The generation phase: with offload_optimizer_during_inference the optimizer's state is on
-    the CPU for its duration (moved, not recomputed: the bits come back as they went)."""
-    if not config.offload_optimizer_during_inference:
+def generating(optimizer, offload_optimizer: bool):
+    """The engine's phase (its build and each generation): with `offload_optimizer`
+    (--rl-offload-optimizer-during-inference) the optimizer's state is on the CPU for its
+    duration (moved, not recomputed: the bits come back as they went)."""
+    if not offload_optimizer:
         yield
         return
     optimizer.offload_to_cpu()
@@ -149,7 +150,7 @@ def _rl_step(ddp, optimizer, generator, source, tokenizer, rollout_config, step_
              sampling, weight_version, ref_model, lr_scheduler, config: LoopConfig) -> dict:
     """Generate, score, update; the step's global metrics with its timings."""
     step_start = time.time()
-    with _generating(optimizer, config):
+    with generating(optimizer, config.offload_optimizer_during_inference):
         groups, stats = collect_rollouts(generator, source, tokenizer, sampling, rollout_config,
                                          weight_version)
     generation_s = time.time() - step_start
@@ -255,7 +256,7 @@ def run_rl(
                                step_config, step_sampling, weight_version, ref_model, lr_scheduler, config)
             weight_version += metrics["optimizer_steps"]
             if eval_examples and _due(step, config.eval_interval, last=False):
-                with _generating(optimizer, config):
+                with generating(optimizer, config.offload_optimizer_during_inference):
                     terms = validation_terms(generator, eval_examples, tokenizer, sampling, config.seed)
                 metrics.update(all_reduce_metrics(terms))
             metrics["weight_version"] = weight_version

@@ -31,6 +31,10 @@ LEVERS = {
     "optimizer off the GPU while generating": ["--rl-offload-optimizer-during-inference"],
     "KV cache freed while training": ["--rl-kv-cache-management-mode", "recompute"],
     "KV cache sized from free memory": ["--rl-kv-cache-memory-fraction", "0.5"],
+    "the Qwen3 recipe's levers together": [
+        "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+        "--rl-offload-optimizer-during-inference", "--rl-kv-cache-management-mode", "recompute",
+        "--rl-kv-cache-memory-fraction", "0.5"],
 }
 OTHER_ARITHMETIC = {
     "distributed optimizer": ["--use-distributed-optimizer"],

@@ -131,6 +131,18 @@ def test_kv_cache_sized_by_fraction_of_what_generation_leaves():
     assert plan.item("KV cache + GDN states").bytes == int(0.5 * (20_000 - 18 * 372))
 
 
+def test_optimizer_growth_between_the_engines_build_and_generation():
+    # 372 bf16 parameters: at the build the fp32 main weights (4 bytes each) are placed; while
+    # generating the whole state (12), none of it when offloaded, never any on the CPU route
+    growth = memory.optimizer_growth_before_generation
+    assert growth(372, DENSE, Levers(), 1) == 8 * 372  # Adam's moments still to come
+    assert growth(372, DENSE, Levers(offload_optimizer_during_inference=True), 1) == -4 * 372
+    assert growth(372, DENSE, Levers(distributed_optimizer=True), 4) == 12 * 372 // 4 - 4 * 372 // 4
+    assert growth(372, DENSE, Levers(optimizer_cpu_offload=True, offload_optimizer_during_inference=True), 1) == 0
+    fp32 = ModelShape(**{**DENSE.__dict__, "param_bytes": 4})
+    assert growth(372, fp32, Levers(offload_optimizer_during_inference=True), 1) == 0  # no main copy
+
+
 def test_suggestions_lower_the_peak_largest_saving_first():
     shape = ModelShape(layers=("*-",) * 8, hidden=1024, ffn=4096, heads=16, kv_heads=16, head_dim=64, vocab=32000)
     plan = plan_memory(_run(shape=shape, buffer=2 * memory.GIB, gpu=10 * memory.GIB, tokens=16384), Levers())
