@@ -11,6 +11,7 @@ import re
 import torch
 
 from megatron.core.transformer.custom_layers import batch_invariant_kernels as _mcore_bik
+from megatron.training.argument_utils import core_transformer_config_from_args
 
 
 def transformer_engine_installed() -> bool:
@@ -98,6 +99,27 @@ def no_stack_dump_on_sigterm() -> None:
 
     for signal_number in (signal.SIGTERM, signal.SIGINT):
         faulthandler.unregister(signal_number)
+
+
+RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+
+
+def transformer_config_with_engine_graphs(args: argparse.Namespace):
+    """megatron-core 0.19.2's TransformerConfig from `args`. Its __post_init__ refuses full
+    recompute with --cuda-graph-impl local: that check guards training CUDA graphs, while here
+    the local graphs are the engine's alone (the trainer runs eagerly: --rl-training-cuda-graphs
+    is refused) and the engine runs in eval mode, where TransformerBlock recomputes nothing. So
+    the recompute flags are checked on a config without graphs, and the config with graphs
+    receives them after its own check. Remove once megatron-core limits the check to training
+    graphs."""
+    if args.cuda_graph_impl != "local" or args.recompute_granularity != "full":
+        return core_transformer_config_from_args(args)
+    checked = core_transformer_config_from_args(
+        argparse.Namespace(**{**vars(args), "cuda_graph_impl": "none", "inference_cuda_graph_scope": "none"}))
+    config = core_transformer_config_from_args(argparse.Namespace(**{**vars(args), "recompute_granularity": None}))
+    for name in RECOMPUTE_FIELDS:
+        setattr(config, name, getattr(checked, name))
+    return config
 
 
 @contextlib.contextmanager

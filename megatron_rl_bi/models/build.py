@@ -12,7 +12,6 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.module import Float16Module
-from megatron.training.argument_utils import core_transformer_config_from_args
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 
 from megatron_rl_bi import bi, compat
@@ -29,7 +28,7 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
     args.padded_vocab_size = calculate_padded_vocab_size(
         vocab_size, args.make_vocab_size_divisible_by, 1, logging_enabled=False
     )
-    config = core_transformer_config_from_args(
+    config = compat.transformer_config_with_engine_graphs(
         argparse.Namespace(**{**vars(args), "batch_invariant_mode": bi.enabled()})
     )
     common = dict(

@@ -8,7 +8,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from megatron_rl_bi import bi
+from megatron.training.argument_utils import core_transformer_config_from_args
+
+from megatron_rl_bi import bi, compat
 from megatron_rl_bi.config import parse_rl_args
 from megatron_rl_bi.models import logprobs as head
 from megatron_rl_bi.models.build import build_model
@@ -138,3 +140,15 @@ def test_levers_that_work_parse():
                                            "--rl-kv-cache-memory-fraction", "0.9", "--use-distributed-optimizer",
                                            *RECOMPUTE["full, uniform"]])
     assert args.rl_offload_optimizer_during_inference and args.rl_kv_cache_memory_fraction == 0.9
+
+
+def test_full_recompute_with_the_engines_cuda_graphs():
+    # megatron-core's config alone refuses full recompute with local graphs (a check for
+    # training graphs; here the graphs are the engine's, which recomputes nothing)
+    args = parse_rl_args(COMMON + DENSE + ["--bf16", "--cuda-graph-impl", "local", "--inference-cuda-graph-scope",
+                                           "block", "--decode-only-cuda-graphs", *RECOMPUTE["full, uniform"]])
+    with pytest.raises(AssertionError, match="full recompute is only supported with full iteration CUDA graph"):
+        core_transformer_config_from_args(args)
+    config = compat.transformer_config_with_engine_graphs(args)
+    assert (config.cuda_graph_impl, config.recompute_granularity, config.recompute_method,
+            config.recompute_num_layers) == ("local", "full", "uniform", 1)
