@@ -185,20 +185,33 @@ def kv_block_bytes(shape: ModelShape, engine: EngineShape) -> int:
     return kv_bytes_per_token(shape) * engine.block_tokens
 
 
+def kv_blocks(shape: ModelShape, engine: EngineShape) -> tuple[int, int]:
+    """(usable KV blocks, blocks one request of --inference-max-seq-length needs). megatron-core
+    reserves every request slot's GDN states first, then splits the rest into blocks, one a dummy."""
+    states = engine.max_requests * gdn_state_bytes_per_request(shape)
+    usable = max((engine.buffer_bytes - states) // kv_block_bytes(shape, engine) - 1, 0)
+    return usable, math.ceil(engine.max_sequence_length / engine.block_tokens)
+
+
+def requests_held(shape: ModelShape, engine: EngineShape) -> int:
+    """Requests of --inference-max-seq-length the cache holds at once (at most
+    --inference-dynamic-batching-max-requests): the engine pauses requests that outgrow it."""
+    usable, per_request = kv_blocks(shape, engine)
+    return min(engine.max_requests, usable // per_request)
+
+
 def kv_cache_problem(shape: ModelShape, engine: EngineShape, sized_by: str) -> str | None:
     """Why the engine's cache cannot run one request of --inference-max-seq-length (None: it
-    can); `sized_by` names the flag that set its size. megatron-core reserves every request
-    slot's GDN states first, then splits the rest into KV blocks (one a dummy)."""
-    states = engine.max_requests * gdn_state_bytes_per_request(shape)
-    blocks = (engine.buffer_bytes - states) // kv_block_bytes(shape, engine)
-    needed = math.ceil(engine.max_sequence_length / engine.block_tokens) + 1
-    if blocks >= needed:
+    can); `sized_by` names the flag that set its size."""
+    usable, needed = kv_blocks(shape, engine)
+    if usable >= needed:
         return None
-    return (f"{sized_by}: the KV cache of {engine.buffer_bytes / GIB:.2f} GiB holds {max(blocks - 1, 0)} "
+    states = engine.max_requests * gdn_state_bytes_per_request(shape)
+    return (f"{sized_by}: the KV cache of {engine.buffer_bytes / GIB:.2f} GiB holds {usable} "
             f"blocks of {engine.block_tokens} tokens after the GDN states of "
             f"--inference-dynamic-batching-max-requests {engine.max_requests} "
             f"({states / GIB:.2f} GiB), fewer than one request of --inference-max-seq-length "
-            f"{engine.max_sequence_length} needs ({needed - 1}): give the cache more memory, or "
+            f"{engine.max_sequence_length} needs ({needed}): give the cache more memory, or "
             "lower --inference-max-seq-length or --inference-dynamic-batching-max-requests")
 
 
@@ -240,6 +253,10 @@ class MemoryPlan:
     items: list[Item]
     gpu_bytes: int
     suggestions: list[str] = field(default_factory=list)
+    requests_at_once: int = 0
+    """Requests of the longest length the engine's cache holds together (requests_held)."""
+    generation_waves: int = 0
+    """Rounds of that many requests a step's generation takes (its decode time grows with them)."""
 
     def phase_bytes(self, phase: str) -> int:
         return sum(item.bytes for item in self.items if phase in item.phases)
@@ -255,7 +272,8 @@ class MemoryPlan:
         """GiB of each item and of the peaks, for a run's header."""
         return {**{item.name: item.bytes / GIB for item in self.items},
                 **{f"peak_{phase}": self.phase_bytes(phase) / GIB for phase in BOTH},
-                "peak": self.peak_bytes / GIB, "gpu": self.gpu_bytes / GIB}
+                "peak": self.peak_bytes / GIB, "gpu": self.gpu_bytes / GIB,
+                "requests_at_once": self.requests_at_once, "generation_waves": self.generation_waves}
 
 
 def _per_rank(state_bytes: int, levers: Levers, data_parallel: int) -> int:
@@ -318,6 +336,8 @@ class RunShape:
     micro_batch_tokens: int
     data_parallel: int
     gpu_bytes: int
+    requests: int = 0
+    """Requests a step generates on each rank (prompts x group size)."""
 
     @property
     def trainer_tokens(self) -> int:
@@ -330,6 +350,14 @@ def plan_memory(run: RunShape, levers: Levers) -> MemoryPlan:
     """Every piece of GPU state by phase, and the levers that would lower the peak."""
     plan = MemoryPlan(_items(run, levers), run.gpu_bytes)
     plan.suggestions = suggestions(run, levers, plan.peak_bytes)
+    cache = replace(run.engine, buffer_bytes=plan.item("KV cache + GDN states").bytes)
+    plan.requests_at_once = requests_held(run.model, cache)
+    plan.generation_waves = math.ceil(run.requests / plan.requests_at_once) if plan.requests_at_once else 0
+    if 0 < plan.requests_at_once < run.engine.max_requests:
+        plan.suggestions.append(
+            f"--inference-dynamic-batching-max-requests {plan.requests_at_once}: the cache holds "
+            f"{plan.requests_at_once} requests of --inference-max-seq-length {run.engine.max_sequence_length}, "
+            f"not {run.engine.max_requests}; the engine pauses requests that outgrow it")
     return plan
 
 
@@ -378,8 +406,9 @@ def suggestions(run: RunShape, levers: Levers, peak: int) -> list[str]:
     if run.micro_batch_tokens > run.engine.max_sequence_length:
         half = replace(run, micro_batch_tokens=max(run.micro_batch_tokens // 2, run.engine.max_sequence_length))
         other = max(sum(i.bytes for i in _items(half, levers) if p in i.phases) for p in BOTH)
-        found.append((other, f"--rl-micro-batch-tokens {half.micro_batch_tokens}: peak "
-                             f"{peak / GIB:.1f} -> {other / GIB:.1f} GiB"))
+        if other < peak:
+            found.append((other, f"--rl-micro-batch-tokens {half.micro_batch_tokens}: peak "
+                                 f"{peak / GIB:.1f} -> {other / GIB:.1f} GiB"))
     return [text for _, text in sorted(found)]
 
 
@@ -391,6 +420,8 @@ def format_plan(plan: MemoryPlan) -> str:
         rows.append(f"{item.name:26} {item.bytes / GIB:8.2f}  {marks[0]:>10}  {marks[1]:>8}  {item.note}")
     rows.append(f"{'peak, generation':26} {plan.phase_bytes(GENERATION) / GIB:8.2f}")
     rows.append(f"{'peak, training':26} {plan.phase_bytes(TRAINING) / GIB:8.2f}")
+    rows.append(f"engine: the cache holds {plan.requests_at_once} requests of the longest length at once; "
+                f"a step's requests generate in {plan.generation_waves} wave(s)")
     fits = plan.peak_bytes <= plan.gpu_bytes
     rows.append(f"predicted peak {plan.peak_bytes / GIB:.2f} GiB of {plan.gpu_bytes / GIB:.1f} GiB: "
                 + ("fits" if fits else "does NOT fit"))

@@ -136,4 +136,4 @@ def memory_run_from_args(args: argparse.Namespace, vocab_size: int, data_paralle
                          gpu_bytes: int) -> RunShape:
     return RunShape(model=model_shape_from_args(args, vocab_size), engine=engine_shape(engine_config_from_args(args)),
                     micro_batch_tokens=args.rl_micro_batch_tokens, data_parallel=data_parallel,
-                    gpu_bytes=gpu_bytes)
+                    gpu_bytes=gpu_bytes, requests=args.grpo_prompts_per_step * args.grpo_group_size)

@@ -6,6 +6,7 @@ groups whose rewards differ and draws new prompts until the step has enough grou
 """
 
 import dataclasses
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -92,6 +93,16 @@ def _score_group(example, generations, tokenizer, sampling, config, group_id, we
     return rollouts, task_rewards, problems
 
 
+def _report_round(round_index: int, generations: list[Generation], seconds: float) -> None:
+    """Rank 0 prints each generation round's pace: a long generation (8K-token responses, DAPO's
+    extra rounds) shows how far it is long before its step's record."""
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    tokens = sum(len(g.completion_tokens) for g in generations)
+    print(f"generation round {round_index + 1}: {len(generations)} requests, {tokens} new tokens in "
+          f"{seconds:.1f} s ({tokens / max(seconds, 1e-9):.0f} tokens/s)", flush=True)
+
+
 def collect_rollouts(
     generator: Generator,
     source: PromptSource,
@@ -106,7 +117,9 @@ def collect_rollouts(
         examples = source.take(config.prompts_per_step - len(groups))
         prompts = [tokenizer.encode_prompt(e.prompt) for e in examples for _ in range(config.group_size)]
         round_sampling = dataclasses.replace(sampling, seed=sampling.seed + 7919 * rounds)
+        started = time.time()
         generations = generator.generate(prompts, round_sampling)
+        _report_round(rounds, generations, time.time() - started)
         for i, example in enumerate(examples):
             span = slice(i * config.group_size, (i + 1) * config.group_size)
             group, rewards_of_group, group_problems = _score_group(

@@ -2,6 +2,7 @@
 every item of a plan against hand-computed values for a dense and a hybrid model, each lever on
 and off, the KV cache check, the levers suggested, and the tool end to end."""
 
+import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -165,6 +166,21 @@ def test_a_cache_that_holds_no_request_is_named_with_its_flags():
     hybrid = ModelShape(**{**HYBRID.__dict__, "layers": ("G", "*", "-")})
     assert kv_cache_problem(hybrid, _run(buffer=4 * 96 + 5 * 8 * 2).engine, "--x") is None
     assert "--inference-dynamic-batching-max-requests 4" in kv_cache_problem(hybrid, _run(buffer=5 * 16).engine, "--x")
+
+
+def test_requests_the_cache_holds_and_generation_waves():
+    # a request of 8 tokens needs 4 blocks of 32 bytes; 1000 bytes are 31 blocks, 30 usable: 7
+    # requests, capped at the 4 request slots; 10 requests a step run in 3 waves of 4
+    run = dataclasses.replace(_run(buffer=1000), requests=10)
+    assert memory.requests_held(DENSE, run.engine) == 4
+    plan = plan_memory(run, Levers())
+    assert (plan.requests_at_once, plan.generation_waves) == (4, 3)
+    assert plan.summary()["generation_waves"] == 3
+    # 320 bytes: 9 usable blocks hold 2 requests, fewer than the 4 slots: said, with the flag
+    small = plan_memory(dataclasses.replace(_run(buffer=320), requests=10), Levers())
+    assert (small.requests_at_once, small.generation_waves) == (2, 5)
+    assert any(text.startswith("--inference-dynamic-batching-max-requests 2: the cache holds 2 requests")
+               for text in small.suggestions)
 
 
 def test_the_tool_prints_and_writes_the_plan(tmp_path, monkeypatch, capsys):

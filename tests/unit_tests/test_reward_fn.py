@@ -1,11 +1,15 @@
 """--rl-reward-fn: a user's reward replaces the task's verifier, loads from a module or a file,
 fails before any GPU work with the flag named, and runs under the reward guard."""
 
+import pathlib
+
 import pytest
 
 from megatron_rl_bi.envs import build_task
 from megatron_rl_bi.envs.reward_fn import RewardFnTask, load_reward_fn
 from megatron_rl_bi.rl.rewards import safe_reward
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_reward_fn_from_a_file_replaces_the_verifier(tmp_path):
@@ -39,3 +43,9 @@ def test_reward_fn_from_a_module(tmp_path, monkeypatch):
 def test_bad_specs_name_the_flag(spec, message):
     with pytest.raises(ValueError, match=f"--rl-reward-fn {spec}: .*{message}"):
         load_reward_fn(spec)
+
+
+def test_the_sizing_reward_counts_number_words():
+    number_share = load_reward_fn(f"{REPO}/examples/reward_fns/number_share.py:number_share")
+    assert number_share("p", "7 w1 12 w3", None) == 0.5
+    assert number_share("p", "", None) == 0.0

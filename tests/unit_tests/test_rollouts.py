@@ -153,3 +153,11 @@ def test_overlong_shaping_uses_the_budget_the_engine_ran_with():
     groups, _ = _collect(generator, PromptSource(ScriptedTask(), 0), TOK, SAMPLING, config,
                          weight_version=0)
     assert [r.reward for r in groups[0]] == [-1.0, -0.5]
+
+
+def test_each_generation_round_reports_its_pace(capsys):
+    generator = ScriptedGenerator({0: ["ok$", "no$"], 1: ["ab", "ok$"]})
+    _collect(generator, PromptSource(ScriptedTask(), 0), TOK, SAMPLING,
+             RolloutConfig(prompts_per_step=2, group_size=2), weight_version=0)
+    # 3 + 3 + 2 + 3 tokens ('$' is the end-of-document token)
+    assert capsys.readouterr().out.startswith("generation round 1: 4 requests, 11 new tokens in ")
