@@ -36,6 +36,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--bench-train-tokens", type=positive_int, default=16384)
     group.add_argument("--bench-requests", type=positive_int, default=32)
     group.add_argument("--bench-new-tokens", type=positive_int, default=128)
+    group.add_argument("--bench-prompt-tokens", type=positive_int, nargs=2, default=[64, 512], metavar=("MIN", "MAX"),
+                       help="prompt lengths, mixed uniformly (MIN = MAX: every request decodes at that "
+                            "context; e.g. 4096 4096 for the KV-bound decode of long responses)")
     group.add_argument("--bench-vocab-size", type=positive_int, default=32000)
     group.add_argument("--bench-default-first", action="store_true",
                        help="measure default mode before BI mode (bench/suite.py --rounds alternates the "
@@ -85,11 +88,14 @@ class Workload:
 
 def build_workload(args: argparse.Namespace, weights: dict | None = None) -> Workload:
     """The model (with `weights` if given) in the current BI mode, wrapped in Megatron's DDP
-    with its optimizer; prompts of 64-512 tokens."""
+    with its optimizer; prompts of --bench-prompt-tokens."""
+    low, high = args.bench_prompt_tokens
+    if low > high:
+        raise SystemExit(f"--bench-prompt-tokens {low} {high}: MIN must not exceed MAX")
     model = build_model(args, args.bench_vocab_size)
     if weights is not None:
         model.load_state_dict(weights)
-    prompts, _ = random_requests(args.bench_requests, (64, 512), (1, 1), args.bench_vocab_size, 0)
+    prompts, _ = random_requests(args.bench_requests, (low, high), (1, 1), args.bench_vocab_size, 0)
     lengths = [TRAIN_SEQUENCE_TOKENS] * (args.bench_train_tokens // TRAIN_SEQUENCE_TOKENS)
     batch = pack_sequences([prompts[i % len(prompts)][:1] * n for i, n in enumerate(lengths)]).to("cuda")
     ddp, optimizer = build_ddp_and_optimizer(args, model)  # before the engine: DDP may move params

@@ -56,7 +56,16 @@ def test_rounds_take_medians_and_the_worst_parity():
 def test_every_models_flags_parse(name):
     profile_steps = _module("bench/profile_steps.py")
     args = build_parser(profile_steps.add_profile_args).parse_args(suite.COMMON + suite.MODELS[name])
-    assert args.hidden_size == 2048 and args.flash_attention_version == 4 and not args.bench_default_first
+    assert args.flash_attention_version == 4 and not args.bench_default_first
+    assert args.hidden_size == (2560 if name == "qwen3_4b_long" else 2048)
+
+
+def test_the_long_context_model_decodes_at_4k_beside_a_recomputing_trainer():
+    profile_steps = _module("bench/profile_steps.py")
+    args = build_parser(profile_steps.add_profile_args).parse_args(suite.COMMON + suite.MODELS["qwen3_4b_long"])
+    assert args.bench_prompt_tokens == [4096, 4096] and args.bench_requests == 64
+    assert args.inference_max_seq_length == 8192 and args.recompute_granularity == "full"
+    assert suite.build_parser().parse_args(["--output", "x.json"]).models == list(suite.RECORD)
 
 
 def test_markdown_table_from_a_report():
