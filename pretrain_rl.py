@@ -132,6 +132,7 @@ class RunInputs:
     tokenizer: object
     vocab_size: int
     engine_config: object
+    rollout_config: object
     task: object
     eval_examples: list | None
     hf_model: HFModel | None
@@ -152,8 +153,8 @@ def continue_checkpoint_seed(args: argparse.Namespace) -> None:
 
 
 def read_inputs(argv: list[str] | None) -> RunInputs:
-    """Flags, recipe, tokenizer, datasets (every line), reward function, HF config and the seed
-    of a checkpoint to resume, each checked: a bad one raises ValueError naming the flag, file
+    """Flags, recipe, tokenizer, datasets (every line), reward function, environment, HF config
+    and the seed of a checkpoint to resume, each checked: a bad one raises ValueError naming the flag, file
     or line."""
     args = parse_rl_args(argv)
     kernel_problem = installed_kernel_problem(args)
@@ -173,7 +174,8 @@ def read_inputs(argv: list[str] | None) -> RunInputs:
     hf_model = read_hf_model(args.hf_checkpoint) if args.hf_checkpoint else None
     vocab_size = model_vocab_size(args, tokenizer)
     check_kv_cache(args, engine_config, vocab_size)
-    return RunInputs(args, tokenizer, vocab_size, engine_config, task, eval_examples, hf_model, kernel_problem)
+    return RunInputs(args, tokenizer, vocab_size, engine_config, rollout_config_from_args(args), task,
+                     eval_examples, hf_model, kernel_problem)
 
 
 def check_kv_cache(args: argparse.Namespace, config: EngineConfig, vocab_size: int) -> None:
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
             generator = Generator(model, engine_config)  # its cache sized for this phase
         logger = build_logger(args, memory_plan(args, inputs.vocab_size))
         run_rl(ddp=ddp, optimizer=optimizer, generator=generator, task=task, tokenizer=tokenizer,
-               rollout_config=rollout_config_from_args(args),
+               rollout_config=inputs.rollout_config,
                step_config=step_config_from_args(args),
                sampling=sampling_from_args(args, tokenizer.eod), config=loop_config_from_args(args),
                logger=logger, ref_model=reference, lr_scheduler=lr_scheduler, hf_model=hf_model,

@@ -140,20 +140,27 @@ class PackedCompletions:
 
 def pack_completions(items: list, device=None) -> PackedCompletions:
     """`items` (engine Generations, or anything with their fields): `prompt_tokens`,
-    `completion_tokens`, `completion_logprobs` (the engine's, one per completion token) and
-    `prompt_logprobs` (tokens 2..P, or None when the engine did not report them)."""
+    `completion_tokens`, `completion_logprobs` (the engine's, one per completion token; any value
+    at an environment's tokens), `prompt_logprobs` (tokens 2..P, or None when the engine did not
+    report them) and `completion_sampled` (None, or which completion tokens were sampled).
+    Environment tokens are context: neither completion (no loss) nor reported (no parity)."""
     batch = pack_sequences([item.prompt_tokens + item.completion_tokens for item in items],
                            [len(item.prompt_tokens) for item in items])
-    values, reported = [], []
+    values, reported, written = [], [], []
     for item in items:
         num_prompt = len(item.prompt_tokens) - 1
         prompt = item.prompt_logprobs
         values.append(torch.tensor(([0.0] * num_prompt if prompt is None else prompt)
                                    + item.completion_logprobs, dtype=torch.float32))
-        mask = torch.ones(values[-1].numel(), dtype=torch.bool)
+        by_environment = torch.zeros(values[-1].numel(), dtype=torch.bool)
+        if item.completion_sampled is not None:
+            by_environment[num_prompt:] = ~torch.tensor(item.completion_sampled, dtype=torch.bool)
+        mask = ~by_environment
         if prompt is None:
             mask[:num_prompt] = False
         reported.append(mask)
+        written.append(by_environment)
+    batch.completion = batch.completion & ~pack_token_values(written, batch)
     packed = PackedCompletions(batch, pack_token_values(values, batch),
                                pack_token_values(reported, batch))
     return packed if device is None else packed.to(device)

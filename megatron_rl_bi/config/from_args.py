@@ -5,9 +5,11 @@ import argparse
 
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 
+from megatron_rl_bi.envs.environment import load_environment
 from megatron_rl_bi.inference import EngineConfig, Sampling
 from megatron_rl_bi.memory import EngineShape, GIB, Levers, ModelShape, Recompute, RunShape
 from megatron_rl_bi.rl.loop import LoopConfig
+from megatron_rl_bi.rl.conversations import TurnConfig
 from megatron_rl_bi.rl.losses import LossConfig
 from megatron_rl_bi.rl.rollouts import RolloutConfig
 from megatron_rl_bi.rl.step import StepConfig
@@ -35,6 +37,7 @@ def engine_config_from_args(args: argparse.Namespace, prompt_logprobs: bool = Fa
 
 
 def rollout_config_from_args(args: argparse.Namespace) -> RolloutConfig:
+    """The rollouts' config; --rl-env's class is loaded here (a ValueError naming the flag)."""
     return RolloutConfig(
         prompts_per_step=args.grpo_prompts_per_step,
         group_size=args.grpo_group_size,
@@ -43,6 +46,9 @@ def rollout_config_from_args(args: argparse.Namespace) -> RolloutConfig:
         overlong_buffer=args.rl_overlong_buffer,
         overlong_penalty=args.rl_overlong_penalty,
         normalize_std=not args.rl_no_advantage_std,
+        environment=load_environment(args.rl_env) if args.rl_env else None,
+        turns=TurnConfig(max_turns=args.rl_max_turns, max_context_tokens=args.rl_max_context_tokens,
+                         observation_tokens=args.rl_tool_output_tokens, env_timeout_s=args.rl_env_timeout),
     )
 
 

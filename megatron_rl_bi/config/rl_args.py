@@ -62,6 +62,19 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--rl-reward-fn", default=None, metavar="MODULE:FUNCTION",
                        help="score completions with this callable (prompt, completion, example) "
                        "-> float instead of the task's verifier (MODULE importable, or FILE.py)")
+    group.add_argument("--rl-env", default=None, metavar="MODULE:CLASS",
+                       help="multi-turn rollouts: each sample a conversation with this environment "
+                       "class (reset(example) -> text, step(text) -> (text, reward, done), "
+                       "stop_strings), which scores it instead of the task's verifier")
+    group.add_argument("--rl-max-turns", type=int, default=4, help="sampled turns of a conversation at most")
+    group.add_argument("--rl-max-context-tokens", type=int, default=None,
+                       help="tokens of a conversation at most, prompt included "
+                       "(default: --inference-max-seq-length)")
+    group.add_argument("--rl-tool-output-tokens", type=int, default=512,
+                       help="tokens of one environment answer at most; the rest is cut")
+    group.add_argument("--rl-env-timeout", type=float, default=30.0,
+                       help="seconds one environment call may take; a call that takes longer, or "
+                       "raises, scores its sample 0 and is counted")
     group.add_argument("--rl-eval-dataset", default=None,
                        help="held-out JSONL ({prompt, answer} lines, math verifier) scored every "
                        "--eval-interval steps as validation_reward/mean")
@@ -250,7 +263,8 @@ def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
 # none (>= 0): a negative interval would fire at every step. --save-interval is Megatron's check
 # (validate_save_interval).
 AT_LEAST_ONE = ("grpo_prompts_per_step", "grpo_iterations", "rl_max_new_tokens", "rl_micro_batch_tokens",
-                "train_iters", "rl_sft_batch_size", "rl_dynamic_sampling_max_rounds")
+                "train_iters", "rl_sft_batch_size", "rl_dynamic_sampling_max_rounds", "rl_max_turns",
+                "rl_tool_output_tokens")
 NOT_NEGATIVE = ("rl_sft_warmup_steps", "rl_keep_last_k", "rl_sft_lr", "rl_overlong_penalty",
                 "save_hf_interval", "eval_interval", "exit_interval", "exit_duration_in_mins")
 
@@ -322,6 +336,13 @@ def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
     """One ValueError listing every bad RL flag (and `errors` found elsewhere)."""
     errors = [*errors, *bound_errors(args), *input_path_errors(args), *logger_package_errors(args),
               *memory_lever_errors(args)]
+    if args.rl_env and args.rl_eval_dataset:
+        errors.append("--rl-eval-dataset with --rl-env: validation scores single completions with the "
+                      "math verifier; validation of conversations is not built yet")
+    if not args.rl_env_timeout > 0:
+        errors.append(f"--rl-env-timeout must be > 0 seconds, got {args.rl_env_timeout}")
+    if args.rl_max_context_tokens is not None and not args.rl_max_context_tokens >= 2:
+        errors.append(f"--rl-max-context-tokens must be >= 2, got {args.rl_max_context_tokens}")
     if args.rl_dataset and args.rl_task != "jsonl":
         errors.append(f"--rl-dataset is read by --rl-task jsonl only (the task is {args.rl_task})")
     early_exit = [flag for flag, value in (("--exit-interval", args.exit_interval),

@@ -6,34 +6,17 @@ counted, never fatal."""
 
 import dataclasses
 import functools
-import importlib
-import importlib.util
-import os
 from collections.abc import Callable
 
+from megatron_rl_bi.envs.plugins import load_plugin
 from megatron_rl_bi.envs.tasks import Example
 
 
 def load_reward_fn(spec: str) -> Callable:
     """The callable `spec` names; one ValueError naming the flag when it cannot be had."""
-    where = f"--rl-reward-fn {spec}"
-    module_name, _, function_name = spec.rpartition(":")
-    if not module_name or not function_name:
-        raise ValueError(f"{where}: expected MODULE:FUNCTION or FILE.py:FUNCTION")
-    try:
-        if module_name.endswith(".py"):
-            if not os.path.isfile(module_name):
-                raise FileNotFoundError(f"no file {module_name}")
-            module_spec = importlib.util.spec_from_file_location("_rl_reward_fn", module_name)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - whatever the user's module raised, name the flag
-        raise ValueError(f"{where}: cannot load {module_name} ({type(exc).__name__}: {exc})") from exc
-    function = getattr(module, function_name, None)
+    function = load_plugin(spec, "--rl-reward-fn")
     if not callable(function):
-        raise ValueError(f"{where}: {module_name} has no callable {function_name!r}")
+        raise ValueError(f"--rl-reward-fn {spec}: {function!r} is not callable")
     return function
 
 

@@ -100,10 +100,19 @@ class Generation:
     prompt_logprobs: list[float] | None = None  # [P - 1] for tokens 2..P, None if not requested
     stopped_on_eod: bool = False
     max_new_tokens: int | None = None  # the budget the engine ran with (clamped to the context)
+    completion_sampled: list[bool] | None = None
+    """Per completion token of a conversation: sampled by the engine (True), or written by an
+    environment between turns (False: context only, with no logprob, loss or parity); None:
+    every completion token was sampled."""
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Completion tokens the engine sampled: those the loss and the parity count."""
+        return len(self.completion_tokens) if self.completion_sampled is None else sum(self.completion_sampled)
 
 
 def gdn_inference_state_config(model: torch.nn.Module) -> MambaInferenceStateConfig | None:

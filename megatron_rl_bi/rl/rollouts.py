@@ -14,8 +14,10 @@ import torch
 
 from megatron_rl_bi.distributed import MetricTerms
 from megatron_rl_bi.envs import PromptSource
+from megatron_rl_bi.envs.environment import FAILED, TIMED_OUT
 from megatron_rl_bi.inference import Generation, Generator, Sampling
 from megatron_rl_bi.rl.advantages import group_advantages
+from megatron_rl_bi.rl.conversations import TurnConfig, run_conversations
 from megatron_rl_bi.rl.rewards import (
     NONFINITE,
     RAISED,
@@ -71,15 +73,18 @@ class RolloutConfig:
     """Reward at (and past) the full budget under overlong shaping (--rl-overlong-penalty)."""
     normalize_std: bool = True
     """Divide advantages by the group's reward std (off with --rl-no-advantage-std)."""
+    environment: type | None = None
+    """Multi-turn rollouts with this environment class (--rl-env); None: one completion each."""
+    turns: TurnConfig = dataclasses.field(default_factory=TurnConfig)
+    """The conversations' limits, with an environment."""
 
 
-def _score_group(example, generations, tokenizer, sampling, config, group_id, weight_version):
+def _score_group(generations, scores, sampling, config, group_id, weight_version):
     """One prompt's rollouts with rewards (task reward + overlong shaping over the budget each
     request ran with), their raw task rewards, and the problems counted (verifier raised,
-    non-finite reward)."""
+    non-finite reward, environment failed or timed out)."""
     rollouts, task_rewards, problems = [], [], Counter()
-    for generation in generations:
-        reward, problem = score_completion(example, generation, tokenizer)
+    for generation, (reward, problem) in zip(generations, scores):
         problems[problem] += 1
         task_rewards.append(reward)
         rollouts.append(Rollout(generation, reward, group_id, weight_version))
@@ -93,12 +98,26 @@ def _score_group(example, generations, tokenizer, sampling, config, group_id, we
     return rollouts, task_rewards, problems
 
 
+def _generate(generator, samples, tokenizer, sampling, config, conversation_counts):
+    """Each sample's generation and score (reward, problem): one completion scored by the
+    example's verifier, or with an environment (--rl-env) a conversation scored by it."""
+    if config.environment is None:
+        generations = generator.generate([tokenizer.encode_prompt(e.prompt) for e in samples], sampling)
+        return generations, [score_completion(e, g, tokenizer) for e, g in zip(samples, generations)]
+    generations, scores, counts = run_conversations(generator, samples, config.environment, tokenizer,
+                                                    sampling, config.turns)
+    turns_max = max(conversation_counts["turns_max"], counts.pop("turns_max"))
+    conversation_counts.update(counts)
+    conversation_counts["turns_max"] = turns_max  # a maximum over rounds, not a sum
+    return generations, scores
+
+
 def _report_round(round_index: int, generations: list[Generation], seconds: float) -> None:
     """Rank 0 prints each generation round's pace: a long generation (8K-token responses, DAPO's
     extra rounds) shows how far it is long before its step's record."""
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
-    tokens = sum(len(g.completion_tokens) for g in generations)
+    tokens = sum(g.sampled_tokens for g in generations)
     print(f"generation round {round_index + 1}: {len(generations)} requests, {tokens} new tokens in "
           f"{seconds:.1f} s ({tokens / max(seconds, 1e-9):.0f} tokens/s)", flush=True)
 
@@ -113,18 +132,18 @@ def collect_rollouts(
 ) -> tuple[list[list[Rollout]], MetricTerms]:
     """Groups of `group_size` rollouts with advantages set, and this rank's rollout statistics."""
     groups, task_rewards, problems, dropped, rounds = [], [], Counter(), 0, 0
+    conversation_counts = Counter()
     while len(groups) < config.prompts_per_step and rounds < config.max_rounds:
         examples = source.take(config.prompts_per_step - len(groups))
-        prompts = [tokenizer.encode_prompt(e.prompt) for e in examples for _ in range(config.group_size)]
+        samples = [e for e in examples for _ in range(config.group_size)]
         round_sampling = dataclasses.replace(sampling, seed=sampling.seed + 7919 * rounds)
         started = time.time()
-        generations = generator.generate(prompts, round_sampling)
+        generations, scores = _generate(generator, samples, tokenizer, round_sampling, config, conversation_counts)
         _report_round(rounds, generations, time.time() - started)
         for i, example in enumerate(examples):
             span = slice(i * config.group_size, (i + 1) * config.group_size)
             group, rewards_of_group, group_problems = _score_group(
-                example, generations[span], tokenizer, sampling, config,
-                len(groups), weight_version,
+                generations[span], scores[span], sampling, config, len(groups), weight_version,
             )
             problems += group_problems
             task_rewards += rewards_of_group
@@ -156,4 +175,21 @@ def collect_rollouts(
             "reward/trained_mean": (sum(r.reward for r in trained), len(trained)),
         },
     )
+    if config.environment is not None:
+        stats.update(_conversation_terms(trained, conversation_counts, len(task_rewards)))
     return groups, stats
+
+
+def _conversation_terms(trained: list[Rollout], counts: Counter, samples: int) -> MetricTerms:
+    """Multi-turn metrics: turns per conversation (of all generated), environment problems and
+    conversations cut by a limit, and the trained rollouts' sampled and environment tokens."""
+    sampled = sum(r.generation.sampled_tokens for r in trained)
+    return MetricTerms(
+        sums={"rollouts/env_failures": counts[FAILED], "rollouts/env_timeouts": counts[TIMED_OUT],
+              "rollouts/conversations_cut": counts["truncated"]},
+        means={"rollouts/turns": (counts["turns"], samples),
+               "rollouts/sampled_tokens": (sampled, len(trained)),
+               "rollouts/environment_tokens": (sum(len(r.completion_tokens) for r in trained) - sampled,
+                                               len(trained))},
+        maxima={"rollouts/turns_max": float(counts["turns_max"])},
+    )

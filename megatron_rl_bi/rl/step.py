@@ -71,9 +71,9 @@ def _pack(rollouts: list[Rollout]) -> tuple[PackedCompletions, torch.Tensor]:
 
 
 def _global_counts(minibatches: list[list[Rollout]]) -> torch.Tensor:
-    """[updates, 2]: completion tokens and completions of each mini-batch over all ranks."""
+    """[updates, 2]: sampled completion tokens and completions of each mini-batch over all ranks."""
     counts = torch.tensor(
-        [[sum(len(r.completion_tokens) for r in mb), len(mb)] for mb in minibatches],
+        [[sum(r.generation.sampled_tokens for r in mb), len(mb)] for mb in minibatches],
         dtype=torch.float64, device=torch.cuda.current_device(),
     )
     torch.distributed.all_reduce(counts)

@@ -78,9 +78,9 @@ def test_pack_completions_places_engine_logprobs_by_predicting_position():
 
     from megatron_rl_bi.packing import pack_completions
 
-    without_prompt = SimpleNamespace(prompt_tokens=[5, 6], completion_tokens=[7, 8],
+    without_prompt = SimpleNamespace(prompt_tokens=[5, 6], completion_tokens=[7, 8], completion_sampled=None,
                                      completion_logprobs=[-0.25, -0.5], prompt_logprobs=None)
-    with_prompt = SimpleNamespace(prompt_tokens=[9, 3], completion_tokens=[4],
+    with_prompt = SimpleNamespace(prompt_tokens=[9, 3], completion_tokens=[4], completion_sampled=None,
                                   completion_logprobs=[-0.75], prompt_logprobs=[-2.0])
     packed = pack_completions([without_prompt, with_prompt])
     # tokens [5 6 7 8 | 9 3 4]: position j predicts token j + 1 of its sequence
@@ -89,3 +89,19 @@ def test_pack_completions_places_engine_logprobs_by_predicting_position():
     assert packed.engine_logprobs.tolist() == [0.0, -0.25, -0.5, 0.0, -2.0, -0.75, 0.0]
     assert packed.reported.tolist() == [False, True, True, False, True, True, False]
     assert packed.batch.completion.tolist() == [False, True, True, False, False, True, False]
+
+
+def test_environment_tokens_of_a_conversation_are_context_only():
+    from megatron_rl_bi.inference import Generation
+    from megatron_rl_bi.packing import pack_completions
+
+    # prompt [1 2]; turn 1 samples 3 4; the environment answers 5 6; turn 2 samples 7
+    conversation = Generation(prompt_tokens=[1, 2], completion_tokens=[3, 4, 5, 6, 7],
+                              completion_logprobs=[-0.25, -0.5, 0.0, 0.0, -0.75],
+                              completion_sampled=[True, True, False, False, True])
+    packed = pack_completions([conversation])
+    # position j predicts token j + 1: 2 (prompt), 3 4 (sampled), 5 6 (environment), 7 (sampled)
+    assert packed.batch.completion.tolist() == [False, True, True, False, False, True, False]
+    assert packed.reported.tolist() == [False, True, True, False, False, True, False]
+    assert packed.engine_logprobs.tolist() == [0.0, -0.25, -0.5, 0.0, 0.0, -0.75, 0.0]
+    assert conversation.sampled_tokens == 3

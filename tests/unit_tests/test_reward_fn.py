@@ -35,10 +35,11 @@ def test_reward_fn_from_a_module(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("no_colon", "expected MODULE:FUNCTION"),
+    ("no_colon", "expected MODULE:NAME"),
     ("no_such_module_xyz:f", "cannot load no_such_module_xyz"),
     ("missing.py:f", "cannot load missing.py"),
-    ("megatron_rl_bi.envs.verifiers:nope", "has no callable 'nope'"),
+    ("megatron_rl_bi.envs.verifiers:nope", "has no 'nope'"),
+    ("megatron_rl_bi.envs.verifiers:re", "is not callable"),
 ])
 def test_bad_specs_name_the_flag(spec, message):
     with pytest.raises(ValueError, match=f"--rl-reward-fn {spec}: .*{message}"):

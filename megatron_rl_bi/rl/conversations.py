@@ -1,0 +1,153 @@
+"""Multi-turn rollouts: each sample a conversation between the engine and an environment
+(envs.environment). A turn samples until one of the environment's stop strings, end-of-document
+or the turn's token budget; the environment answers the turn's text, and its answer joins the
+sample as tokens it wrote (context: no loss, no parity); the next turn continues the same tokens.
+Tokens stay tokens: nothing sampled is decoded and encoded again.
+
+Each turn of every open conversation is one engine generation over the conversation so far (the
+engine prefills what it already computed in an earlier turn: batch invariance makes those rows
+equal to the decode rows they repeat, so the logprobs of every sampled token are the ones the
+trainer recomputes). The environment's calls of a turn run together, each on its own thread.
+"""
+
+import functools
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from megatron_rl_bi.envs.environment import call_all
+from megatron_rl_bi.inference import Generation, Generator, Sampling
+
+
+@dataclass(frozen=True)
+class TurnConfig:
+    max_turns: int = 4
+    """Sampled turns a conversation takes at most (--rl-max-turns)."""
+    max_context_tokens: int | None = None
+    """Tokens a conversation holds at most, prompt included (--rl-max-context-tokens; None: the
+    engine's --inference-max-seq-length)."""
+    observation_tokens: int = 512
+    """An environment answer's tokens at most; the rest is cut (--rl-tool-output-tokens)."""
+    env_timeout_s: float = 30.0
+    """Seconds each environment call may take (--rl-env-timeout)."""
+
+
+@dataclass
+class Conversation:
+    """One sample: the prompt the environment opened with, then every token after it, each
+    sampled (with the engine's logprob) or written by the environment."""
+
+    environment: object
+    prompt_tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    sampled: list[bool] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    over: bool = False
+    stopped_on_eod: bool = False
+    problem: str | None = None
+
+    def add(self, tokens: list[int], logprobs: list[float] | None) -> None:
+        """Sampled tokens with their logprobs, or (logprobs None) the environment's tokens."""
+        self.tokens += tokens
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
+        self.sampled += [logprobs is not None] * len(tokens)
+
+    def end(self, problem: str | None = None) -> None:
+        """Over; a problem (the environment failed or timed out) scores the sample 0."""
+        self.over = True
+        if problem is not None:
+            self.problem, self.reward = problem, 0.0
+
+    def generation(self, max_new_tokens: int) -> Generation:
+        return Generation(prompt_tokens=self.prompt_tokens, completion_tokens=self.tokens,
+                          completion_logprobs=self.logprobs, completion_sampled=self.sampled,
+                          stopped_on_eod=self.stopped_on_eod, max_new_tokens=max_new_tokens)
+
+
+def tokens_through_stop(tokens: list[int], tokenizer, stop_strings: tuple[str, ...]) -> int:
+    """How many of a turn's `tokens` it keeps: through the first token whose text completes a
+    stop string, or all of them."""
+    if not any(stop in tokenizer.decode(tokens) for stop in stop_strings):
+        return len(tokens)
+    return next(k for k in range(1, len(tokens) + 1)
+                if any(stop in tokenizer.decode(tokens[:k]) for stop in stop_strings))
+
+
+def run_conversations(generator: Generator, examples: list, environment: type, tokenizer,
+                      sampling: Sampling, config: TurnConfig) -> tuple[list[Generation], list[tuple], Counter]:
+    """One conversation per example (a group's samples repeat its example): their generations,
+    their scores (reward, problem): the sum of the environment's rewards, or 0 and FAILED or
+    TIMED_OUT when it failed), and the counts of what happened (turns, environment problems,
+    conversations cut by the turn or context limit)."""
+    # A sample whose environment fails to open keeps the example's prompt and samples nothing.
+    conversations = [Conversation(environment(), tokenizer.encode_prompt(e.prompt)) for e in examples]
+    context = min(config.max_context_tokens or generator.config.max_sequence_length,
+                  generator.config.max_prompt_tokens)
+    opened = call_all([functools.partial(_reset, c.environment, e, tokenizer) for c, e in zip(conversations, examples)],
+                      config.env_timeout_s)
+    for conversation, outcome in zip(conversations, opened):
+        if outcome.problem:
+            conversation.end(outcome.problem)
+        else:
+            conversation.prompt_tokens = outcome.value
+    for _ in range(config.max_turns):
+        open_ = [c for c in conversations if not c.over and len(c.prompt_tokens) + len(c.tokens) < context]
+        if not open_:
+            break
+        _turn(generator, open_, tokenizer, sampling, config, context)
+    counts = Counter(c.problem for c in conversations if c.problem)
+    counts.update(turns=sum(c.turns for c in conversations),
+                  truncated=sum(not c.over for c in conversations))
+    counts["turns_max"] = max(c.turns for c in conversations)
+    generations = [c.generation(context - len(c.prompt_tokens)) for c in conversations]
+    return generations, [(c.reward, c.problem) for c in conversations], counts
+
+
+def _turn(generator: Generator, conversations: list[Conversation], tokenizer, sampling: Sampling,
+          config: TurnConfig, context: int) -> None:
+    """One sampled turn of each conversation, then the environment's answers."""
+    stop_strings = tuple(conversations[0].environment.stop_strings)
+    requests = [c.prompt_tokens + c.tokens for c in conversations]
+    budgets = [min(sampling.max_new_tokens, context - len(r)) for r in requests]
+    texts = []
+    for conversation, generation in zip(conversations, generator.generate(requests, sampling, budgets)):
+        kept = tokens_through_stop(generation.completion_tokens, tokenizer, stop_strings)
+        conversation.add(generation.completion_tokens[:kept], generation.completion_logprobs[:kept])
+        conversation.turns += 1
+        conversation.stopped_on_eod = generation.stopped_on_eod and kept == len(generation.completion_tokens)
+        turn = generation.completion_tokens[:kept]
+        texts.append(tokenizer.decode(turn[:-1] if conversation.stopped_on_eod else turn))
+    answers = call_all([functools.partial(_step, c.environment, text, tokenizer, config.observation_tokens)
+                        for c, text in zip(conversations, texts)], config.env_timeout_s)
+    for conversation, outcome in zip(conversations, answers):
+        if outcome.problem:
+            conversation.end(outcome.problem)
+            continue
+        observation, reward, done = outcome.value
+        conversation.reward += reward
+        if done or conversation.stopped_on_eod:
+            conversation.end()
+        else:
+            conversation.add(observation, None)
+
+
+def _reset(environment, example, tokenizer) -> list[int]:
+    """The first observation as the prompt's tokens (through the chat template), on the call's
+    own thread."""
+    observation = environment.reset(example)
+    if not isinstance(observation, str):
+        raise TypeError(f"reset returned {type(observation).__name__}, not the first observation's text")
+    return tokenizer.encode_prompt(observation)
+
+
+def _step(environment, text: str, tokenizer, max_tokens: int) -> tuple[list[int], float, bool]:
+    """The environment's answer to a turn as (at most `max_tokens`) tokens, its reward and
+    whether it is over; checked and encoded on the call's own thread, so a malformed answer, or
+    one the tokenizer cannot encode, fails that sample only."""
+    observation, reward, done = environment.step(text)
+    reward = float(reward)
+    if not isinstance(observation, str) or not math.isfinite(reward):
+        raise ValueError(f"step returned ({observation!r:.40}, {reward}, {done}): expected (text, finite reward, done)")
+    return tokenizer.encode(observation)[:max_tokens], reward, bool(done)
