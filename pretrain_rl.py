@@ -174,7 +174,7 @@ def read_inputs(argv: list[str] | None) -> RunInputs:
     hf_model = read_hf_model(args.hf_checkpoint) if args.hf_checkpoint else None
     vocab_size = model_vocab_size(args, tokenizer)
     check_kv_cache(args, engine_config, vocab_size)
-    return RunInputs(args, tokenizer, vocab_size, engine_config, rollout_config_from_args(args), task,
+    return RunInputs(args, tokenizer, vocab_size, engine_config, rollout_config_from_args(args, task), task,
                      eval_examples, hf_model, kernel_problem)
 
 

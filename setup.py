@@ -19,6 +19,8 @@ setup(
         "safetensors",
         # megatron-core's dist-checkpoint writer starts its worker with psutil.
         "psutil",
+        # BM25 of the built-in search environment (numpy only).
+        "bm25s>=0.2",
     ],
     extras_require={
         # FlashAttention-4 (CuTe DSL) runs on Hopper and Blackwell; FA3 is a source build

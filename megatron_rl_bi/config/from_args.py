@@ -5,7 +5,7 @@ import argparse
 
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 
-from megatron_rl_bi.envs.environment import load_environment
+from megatron_rl_bi.envs.environment import build_environment
 from megatron_rl_bi.inference import EngineConfig, Sampling
 from megatron_rl_bi.memory import EngineShape, GIB, Levers, ModelShape, Recompute, RunShape
 from megatron_rl_bi.rl.loop import LoopConfig
@@ -36,8 +36,9 @@ def engine_config_from_args(args: argparse.Namespace, prompt_logprobs: bool = Fa
     )
 
 
-def rollout_config_from_args(args: argparse.Namespace) -> RolloutConfig:
-    """The rollouts' config; --rl-env's class is loaded here (a ValueError naming the flag)."""
+def rollout_config_from_args(args: argparse.Namespace, task=None) -> RolloutConfig:
+    """The rollouts' config; --rl-env's class is built here (a ValueError naming the flag), over
+    `task`'s own corpus for the built-in search without --rl-search-corpus."""
     return RolloutConfig(
         prompts_per_step=args.grpo_prompts_per_step,
         group_size=args.grpo_group_size,
@@ -46,7 +47,8 @@ def rollout_config_from_args(args: argparse.Namespace) -> RolloutConfig:
         overlong_buffer=args.rl_overlong_buffer,
         overlong_penalty=args.rl_overlong_penalty,
         normalize_std=not args.rl_no_advantage_std,
-        environment=load_environment(args.rl_env) if args.rl_env else None,
+        environment=(build_environment(args.rl_env, task, args.rl_search_corpus, args.rl_search_top_k)
+                     if args.rl_env else None),
         turns=TurnConfig(max_turns=args.rl_max_turns, max_context_tokens=args.rl_max_context_tokens,
                          observation_tokens=args.rl_tool_output_tokens, env_timeout_s=args.rl_env_timeout),
     )

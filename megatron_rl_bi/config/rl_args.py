@@ -56,8 +56,9 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "(clip-higher 0.28, token mean, dynamic sampling)")
     group.add_argument("--rl-loss-aggregation", choices=["token", "sequence"], default="sequence",
                        help="average the loss over tokens (DAPO) or per completion (GRPO)")
-    group.add_argument("--rl-task", choices=["sort", "countdown", "jsonl"], default="sort",
-                       help="sort, countdown or jsonl (prompts of --rl-dataset)")
+    group.add_argument("--rl-task", choices=["sort", "countdown", "lookup", "jsonl"], default="sort",
+                       help="sort, countdown, lookup (a key's value that only --rl-env search finds) "
+                       "or jsonl (prompts of --rl-dataset)")
     group.add_argument("--rl-dataset", default=None, help="JSONL file for --rl-task jsonl")
     group.add_argument("--rl-reward-fn", default=None, metavar="MODULE:FUNCTION",
                        help="score completions with this callable (prompt, completion, example) "
@@ -65,7 +66,12 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--rl-env", default=None, metavar="MODULE:CLASS",
                        help="multi-turn rollouts: each sample a conversation with this environment "
                        "class (reset(example) -> text, step(text) -> (text, reward, done), "
-                       "stop_strings), which scores it instead of the task's verifier")
+                       "stop_strings), which scores it instead of the task's verifier; 'search' "
+                       "is the built-in BM25 search")
+    group.add_argument("--rl-search-corpus", default=None,
+                       help="--rl-env search: the JSONL corpus ('contents' or 'text' a line; default: "
+                       "the task's own, for --rl-task lookup)")
+    group.add_argument("--rl-search-top-k", type=int, default=3, help="--rl-env search: passages a search returns")
     group.add_argument("--rl-max-turns", type=int, default=4, help="sampled turns of a conversation at most")
     group.add_argument("--rl-max-context-tokens", type=int, default=None,
                        help="tokens of a conversation at most, prompt included "
@@ -264,7 +270,7 @@ def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
 # (validate_save_interval).
 AT_LEAST_ONE = ("grpo_prompts_per_step", "grpo_iterations", "rl_max_new_tokens", "rl_micro_batch_tokens",
                 "train_iters", "rl_sft_batch_size", "rl_dynamic_sampling_max_rounds", "rl_max_turns",
-                "rl_tool_output_tokens")
+                "rl_tool_output_tokens", "rl_search_top_k")
 NOT_NEGATIVE = ("rl_sft_warmup_steps", "rl_keep_last_k", "rl_sft_lr", "rl_overlong_penalty",
                 "save_hf_interval", "eval_interval", "exit_interval", "exit_duration_in_mins")
 
@@ -289,7 +295,8 @@ def input_path_errors(args: argparse.Namespace) -> list[str]:
     and for a --pretrained-checkpoint that is no checkpoint: found now, not after the model is
     built on the GPU."""
     errors = []
-    for flag, path in (("--rl-dataset", args.rl_dataset), ("--rl-eval-dataset", args.rl_eval_dataset)):
+    for flag, path in (("--rl-dataset", args.rl_dataset), ("--rl-eval-dataset", args.rl_eval_dataset),
+                       ("--rl-search-corpus", args.rl_search_corpus)):
         if path and os.path.isdir(path):
             errors.append(f"{flag} {path}: is a directory")
         elif path and not os.path.exists(path):
@@ -339,6 +346,12 @@ def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
     if args.rl_env and args.rl_eval_dataset:
         errors.append("--rl-eval-dataset with --rl-env: validation scores single completions with the "
                       "math verifier; validation of conversations is not built yet")
+    if args.rl_env and args.rl_reward_fn:
+        errors.append("--rl-reward-fn with --rl-env: the environment scores each conversation")
+    if args.rl_task == "lookup" and args.rl_env != "search":
+        errors.append("--rl-task lookup needs --rl-env search: its values are found only by searching its corpus")
+    if args.rl_search_corpus and args.rl_env != "search":
+        errors.append("--rl-search-corpus is read by --rl-env search only")
     if not args.rl_env_timeout > 0:
         errors.append(f"--rl-env-timeout must be > 0 seconds, got {args.rl_env_timeout}")
     if args.rl_max_context_tokens is not None and not args.rl_max_context_tokens >= 2:

@@ -19,8 +19,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_rl_bi.envs.plugins import load_plugin
+from megatron_rl_bi.envs.search import read_corpus, search_environment
 
 FAILED, TIMED_OUT = "env_failures", "env_timeouts"
+
+
+def build_environment(spec: str, task, search_corpus: str | None = None, search_top_k: int = 3) -> type:
+    """The environment class of --rl-env: the built-in 'search' (over --rl-search-corpus, or the
+    task's own corpus), or a user's class."""
+    if spec != "search":
+        return load_environment(spec)
+    passages = read_corpus(search_corpus) if search_corpus else getattr(task, "corpus", None)
+    if passages is None:
+        raise ValueError("--rl-env search needs --rl-search-corpus FILE (or a task with its own corpus, "
+                         "--rl-task lookup)")
+    return search_environment(passages, search_top_k)
 
 
 def load_environment(spec: str) -> type:

@@ -19,8 +19,11 @@ class Example:
     prompt: str
     answer: str
     """A reference completion (the SFT warm-up target), not necessarily the only right one."""
-    verify: Callable[[str], float]
-    """completion text -> reward."""
+    verify: Callable[[str], float] | None
+    """completion text -> reward (None: an environment scores it, --rl-env)."""
+    demonstration: str | None = None
+    """The SFT warm-up target when it is more than `answer`: a multi-turn task's whole
+    transcript (its tool calls and their results), `answer` being what is compared."""
 
 
 class SortTask:
@@ -59,6 +62,33 @@ class CountdownTask:
             prompt=f"countdown: {' '.join(map(str, numbers))} -> {target}\n",
             answer=expression,
             verify=functools.partial(verify_countdown, numbers=numbers, target=target),
+        )
+
+
+class LookupTask:
+    """'find b4x\n' -> the value of key b4x, which only the task's corpus holds ('b4x is 317'): the
+    model must search for the key (--rl-env search) and copy the value it reads. Keys mix letters
+    and a digit (never an English stop word the retriever drops); `corpus_size` keys, seeded."""
+
+    def __init__(self, seed: int, corpus_size: int = 64):
+        rng = random.Random(f"lookup-{seed}")
+        keys = set()
+        while len(keys) < corpus_size:
+            keys.add(rng.choice(string.ascii_lowercase) + rng.choice(string.digits) + rng.choice(string.ascii_lowercase))
+        self.seed, self.keys = seed, sorted(keys)
+        self.values = {key: str(rng.randint(100, 999)) for key in self.keys}
+        self.corpus = [f"{key} is {self.values[key]}" for key in self.keys]
+        self.size = None
+
+    def example(self, index: int) -> Example:
+        key = random.Random(f"lookup-{self.seed}-{index}").choice(self.keys)
+        value = self.values[key]
+        return Example(
+            prompt=f"find {key}\n",
+            answer=value,
+            verify=None,
+            demonstration=(f"<search>{key}</search>\n<information>Doc 1: {key} is {value}</information>\n"
+                           f"<answer>{value}</answer>"),
         )
 
 
@@ -135,16 +165,18 @@ def _parse_line(path: str, line_number: int, line: str) -> Example:
 
 
 def build_task(name: str, seed: int, dataset: str | None = None):
-    """--rl-task sort|countdown|jsonl (jsonl needs --rl-dataset FILE)."""
+    """--rl-task sort|countdown|lookup|jsonl (jsonl needs --rl-dataset FILE)."""
     if name == "sort":
         return SortTask(seed)
     if name == "countdown":
         return CountdownTask(seed)
+    if name == "lookup":
+        return LookupTask(seed)
     if name == "jsonl":
         if not dataset:
             raise ValueError("--rl-task jsonl needs --rl-dataset FILE")
         return JsonlTask(dataset)
-    raise ValueError(f"--rl-task {name}: expected sort, countdown or jsonl")
+    raise ValueError(f"--rl-task {name}: expected sort, countdown, lookup or jsonl")
 
 
 class PromptSource:

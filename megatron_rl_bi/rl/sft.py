@@ -1,4 +1,5 @@
-"""Supervised warm-up on a task's reference answers, so a tiny model starts RL with signal.
+"""Supervised warm-up on a task's reference answers (or demonstrations: a multi-turn task's whole
+transcript), so a tiny model starts RL with signal.
 
 Loss: mean negative log-likelihood of the answer tokens (and end-of-document), normalized by the
 global answer-token count; same packing and forward as the RL step.
@@ -15,7 +16,7 @@ from megatron_rl_bi.packing import pack_sequences
 def sft_step(ddp, optimizer, examples: list[Example], tokenizer) -> float:
     """One optimizer step on `examples` (one packed micro-batch); returns the global mean NLL."""
     prompts = [tokenizer.encode_prompt(e.prompt) for e in examples]
-    answers = [tokenizer.encode(e.answer) + [tokenizer.eod] for e in examples]
+    answers = [tokenizer.encode(e.demonstration or e.answer) + [tokenizer.eod] for e in examples]
     batch = pack_sequences([p + a for p, a in zip(prompts, answers)], [len(p) for p in prompts])
     batch = batch.to(torch.cuda.current_device())
     answer_mask = batch.completion

@@ -5,6 +5,7 @@ every key a step reports, and the weight version counting optimizer updates."""
 import json
 import os
 import signal
+import types
 
 import pytest
 import torch
@@ -134,3 +135,45 @@ def test_a_checkpoint_of_another_schedule_is_refused_naming_the_flags():
     with pytest.raises(ValueError, match=r"--load ckpt: .*--train-iters.*--exit-interval.*"
                                          r"--override-opt_param-scheduler"):
         loop._restore_lr_schedule(scheduler(5), state, "ckpt")
+
+
+class LookupEngine:
+    """Plays the lookup task turn by turn: searches for the key, then answers it, right for even
+    requests and wrong for odd ones; the engine's logprob of each sampled token is -1."""
+
+    def __init__(self, task):
+        self.task = task
+        self.config = types.SimpleNamespace(max_sequence_length=128, max_prompt_tokens=127)
+
+    def generate(self, prompts, sampling, max_new_tokens=None):
+        out = []
+        for i, prompt in enumerate(prompts):
+            text = TOK.decode(prompt)
+            key = text.split()[1]
+            answer = self.task.values[key] if i % 2 == 0 else "000"
+            turn = f"<answer>{answer}</answer>" if "<information>" in text else f"<search>{key}</search>"
+            completion = TOK.encode(turn)
+            out.append(Generation(list(prompt), completion, [-1.0] * len(completion)))
+        return out
+
+
+def test_a_multi_turn_run_trains_on_sampled_tokens_only(tmp_path, cpu_loop):
+    args = parse_rl_args(MODEL + ["--grpo-prompts-per-step", "2", "--grpo-group-size", "2",
+                                  "--rl-task", "lookup", "--rl-env", "search", "--rl-search-top-k", "1",
+                                  "--train-iters", "2", "--rl-sft-warmup-steps", "1", "--rl-sft-batch-size", "2",
+                                  "--rl-metrics-jsonl", str(tmp_path / "m.jsonl")])
+    task = build_task("lookup", 0)
+    model, logger = TinyDDP(vocab_size=TOK.vocab_size), MetricsLogger(total_steps=2, jsonl_path=args.rl_metrics_jsonl)
+    optimizer = SGD(model)
+    run_rl(ddp=model, optimizer=optimizer, generator=LookupEngine(task), task=task, tokenizer=TOK,
+           rollout_config=rollout_config_from_args(args, task), step_config=step_config_from_args(args),
+           sampling=sampling_from_args(args, TOK.eod), config=loop_config_from_args(args), logger=logger,
+           lr_scheduler=build_lr_scheduler(args, optimizer))
+    logger.close()
+    for record in read_step_records(str(tmp_path / "m.jsonl")).values():
+        assert record["rollouts/turns"] == 2 and record["rollouts/turns_max"] == 2
+        assert record["reward/task_mean"] == 0.5
+        # each conversation: "<search>k1x</search>" (20) and "<answer>ddd</answer>" (20) sampled,
+        # "\n<information>Doc 1: k1x is ddd</information>\n" (46) from the environment
+        assert record["rollouts/sampled_tokens"] == 40 and record["rollouts/environment_tokens"] == 46
+        assert record["bit_wise/tokens"] == 4 * 40  # parity over the sampled tokens alone

@@ -1,0 +1,91 @@
+"""The built-in search environment (`--rl-env search`), offline: a BM25 index (bm25s) over a
+local corpus; the model searches with `<search>query</search>`, reads
+`<information>top-k passages</information>`, and answers with `<answer>...</answer>`, scored by
+exact match after Search-R1's normalization (lower case, no punctuation, no articles, single
+spaces) against the example's answer.
+
+The corpus is `--rl-search-corpus FILE` (JSONL, one passage a line: "contents" or "text"), or,
+without it, the task's own corpus (the built-in `--rl-task lookup`).
+"""
+
+import re
+import string
+
+import bm25s
+
+from megatron_rl_bi.jsonfile import parse_object
+
+def read_corpus(path: str) -> list[str]:
+    """The passages of a JSONL corpus; a line without text fails with FILE:LINE."""
+    passages = []
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            record = parse_object(line, path, line_number)
+            text = record.get("contents", record.get("text"))
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"{path}:{line_number}: a passage needs a non-empty 'contents' or 'text'")
+            passages.append(text)
+    if not passages:
+        raise ValueError(f"{path}: no passages")
+    return passages
+
+
+class Retriever:
+    """BM25 over passages (English stop words removed), built once and shared by every sample."""
+
+    def __init__(self, passages: list[str]):
+        self.passages = passages
+        self.index = bm25s.BM25()
+        self.index.index(bm25s.tokenize(passages, stopwords="en", show_progress=False), show_progress=False)
+
+    def search(self, query: str, k: int) -> list[str]:
+        """The `k` best passages for `query`, best first (fewer when the corpus is smaller)."""
+        tokens = bm25s.tokenize([query], stopwords="en", show_progress=False)
+        if not tokens.vocab:  # only stop words, or nothing: nothing to match
+            return []
+        ids, _ = self.index.retrieve(tokens, k=min(k, len(self.passages)), show_progress=False)
+        return [self.passages[i] for i in ids[0]]
+
+
+def normalize_answer(text: str) -> str:
+    text = "".join(c for c in text.lower() if c not in string.punctuation)
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def _last_tag(text: str, tag: str) -> str | None:
+    found = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL)
+    return found[-1].strip() if found else None
+
+
+class SearchEnvironment:
+    """One sample's conversation; the class attributes come from `search_environment`."""
+
+    retriever = None
+    top_k = 3
+    stop_strings = ("</search>", "</answer>")
+
+    def reset(self, example) -> str:
+        """The example's prompt as it is: a dataset's prompts carry their instructions."""
+        self.answer = normalize_answer(example.answer)
+        return example.prompt
+
+    def step(self, text: str) -> tuple[str, float, bool]:
+        if text.endswith("</search>"):
+            query = _last_tag(text, "search") or ""
+            return information(self.retriever.search(query, self.top_k)), 0.0, False
+        answer = _last_tag(text, "answer")
+        return "", float(answer is not None and normalize_answer(answer) == self.answer), True
+
+
+def information(passages: list[str]) -> str:
+    """The observation of a search: the passages found, numbered, between information tags."""
+    found = "\n".join(f"Doc {i}: {passage}" for i, passage in enumerate(passages, 1))
+    return f"\n<information>{found}</information>\n"
+
+
+def search_environment(passages: list[str], top_k: int) -> type:
+    """The environment class over `passages`: their index is built here, once."""
+    return type("SearchEnvironment", (SearchEnvironment,), {"retriever": Retriever(passages), "top_k": top_k})
