@@ -63,24 +63,6 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--rl-reward-fn", default=None, metavar="MODULE:FUNCTION",
                        help="score completions with this callable (prompt, completion, example) "
                        "-> float instead of the task's verifier (MODULE importable, or FILE.py)")
-    group.add_argument("--rl-env", default=None, metavar="MODULE:CLASS",
-                       help="multi-turn rollouts: each sample a conversation with this environment "
-                       "class (reset(example) -> text, step(text) -> (text, reward, done), "
-                       "stop_strings), which scores it instead of the task's verifier; 'search' "
-                       "is the built-in BM25 search")
-    group.add_argument("--rl-search-corpus", default=None,
-                       help="--rl-env search: the JSONL corpus ('contents' or 'text' a line; default: "
-                       "the task's own, for --rl-task lookup)")
-    group.add_argument("--rl-search-top-k", type=int, default=3, help="--rl-env search: passages a search returns")
-    group.add_argument("--rl-max-turns", type=int, default=4, help="sampled turns of a conversation at most")
-    group.add_argument("--rl-max-context-tokens", type=int, default=None,
-                       help="tokens of a conversation at most, prompt included "
-                       "(default: --inference-max-seq-length)")
-    group.add_argument("--rl-tool-output-tokens", type=int, default=512,
-                       help="tokens of one environment answer at most; the rest is cut")
-    group.add_argument("--rl-env-timeout", type=float, default=30.0,
-                       help="seconds one environment call may take; a call that takes longer, or "
-                       "raises, scores its sample 0 and is counted")
     group.add_argument("--rl-eval-dataset", default=None,
                        help="held-out JSONL ({prompt, answer} lines, math verifier) scored every "
                        "--eval-interval steps as validation_reward/mean")
@@ -110,9 +92,31 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--rl-keep-last-k", type=int, default=0,
                        help="keep only the newest K checkpoints under --save (0: all)")
     group.add_argument("--rl-kv-cache-memory-fraction", type=float, default=None, metavar="F",
-                       help="size the engine's KV cache as this fraction of the GPU memory free when "
-                       "the engine is built, less the optimizer state still to come on the GPU "
-                       "(instead of --inference-dynamic-batching-buffer-size-gb)")
+                       help="size the engine's KV cache as this fraction of the GPU memory free while "
+                       "it generates (instead of --inference-dynamic-batching-buffer-size-gb)")
+    return add_multi_turn_args(parser)
+
+
+def add_multi_turn_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("megatron_rl_bi multi-turn")
+    group.add_argument("--rl-env", default=None, metavar="MODULE:CLASS",
+                       help="multi-turn rollouts: each sample a conversation with this environment "
+                       "class (reset(example) -> text, step(text) -> (text, reward, done), "
+                       "stop_strings), which scores it instead of the task's verifier; 'search' "
+                       "is the built-in BM25 search")
+    group.add_argument("--rl-search-corpus", default=None,
+                       help="--rl-env search: the JSONL corpus ('contents' or 'text' a line; default: "
+                       "the task's own, for --rl-task lookup)")
+    group.add_argument("--rl-search-top-k", type=int, default=3, help="--rl-env search: passages a search returns")
+    group.add_argument("--rl-max-turns", type=int, default=4, help="sampled turns of a conversation at most")
+    group.add_argument("--rl-max-context-tokens", type=int, default=None,
+                       help="tokens of a conversation at most, prompt included "
+                       "(default: --inference-max-seq-length)")
+    group.add_argument("--rl-tool-output-tokens", type=int, default=512,
+                       help="tokens of one environment answer at most; the rest is cut")
+    group.add_argument("--rl-env-timeout", type=float, default=30.0,
+                       help="seconds one environment call may take; a call that takes longer, or "
+                       "raises, scores its sample 0 and is counted")
     return parser
 
 
