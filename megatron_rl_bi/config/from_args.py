@@ -47,7 +47,8 @@ def rollout_config_from_args(args: argparse.Namespace, task=None) -> RolloutConf
         overlong_buffer=args.rl_overlong_buffer,
         overlong_penalty=args.rl_overlong_penalty,
         normalize_std=not args.rl_no_advantage_std,
-        environment=(build_environment(args.rl_env, task, args.rl_search_corpus, args.rl_search_top_k)
+        environment=(build_environment(args.rl_env, task, args.rl_search_corpus, args.rl_search_top_k,
+                                       args.rl_code_time_limit, args.rl_code_memory_mb)
                      if args.rl_env else None),
         turns=TurnConfig(max_turns=args.rl_max_turns, max_context_tokens=args.rl_max_context_tokens,
                          observation_tokens=args.rl_tool_output_tokens, env_timeout_s=args.rl_env_timeout),

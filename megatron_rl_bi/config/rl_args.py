@@ -102,12 +102,16 @@ def add_multi_turn_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--rl-env", default=None, metavar="MODULE:CLASS",
                        help="multi-turn rollouts: each sample a conversation with this environment "
                        "class (reset(example) -> text, step(text) -> (text, reward, done), "
-                       "stop_strings), which scores it instead of the task's verifier; 'search' "
-                       "is the built-in BM25 search")
+                       "stop_strings), which scores it instead of the task's verifier; built in: "
+                       "'search' (BM25 over a corpus) and 'code' (Python in a sandbox)")
     group.add_argument("--rl-search-corpus", default=None,
                        help="--rl-env search: the JSONL corpus ('contents' or 'text' a line; default: "
                        "the task's own, for --rl-task lookup)")
     group.add_argument("--rl-search-top-k", type=int, default=3, help="--rl-env search: passages a search returns")
+    group.add_argument("--rl-code-time-limit", type=float, default=5.0,
+                       help="--rl-env code: seconds a program may run (wall clock; CPU time likewise)")
+    group.add_argument("--rl-code-memory-mb", type=int, default=1024,
+                       help="--rl-env code: a program's address space, MiB")
     group.add_argument("--rl-max-turns", type=int, default=4, help="sampled turns of a conversation at most")
     group.add_argument("--rl-max-context-tokens", type=int, default=None,
                        help="tokens of a conversation at most, prompt included "
@@ -274,7 +278,7 @@ def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
 # (validate_save_interval).
 AT_LEAST_ONE = ("grpo_prompts_per_step", "grpo_iterations", "rl_max_new_tokens", "rl_micro_batch_tokens",
                 "train_iters", "rl_sft_batch_size", "rl_dynamic_sampling_max_rounds", "rl_max_turns",
-                "rl_tool_output_tokens", "rl_search_top_k")
+                "rl_tool_output_tokens", "rl_search_top_k", "rl_code_memory_mb")
 NOT_NEGATIVE = ("rl_sft_warmup_steps", "rl_keep_last_k", "rl_sft_lr", "rl_overlong_penalty",
                 "save_hf_interval", "eval_interval", "exit_interval", "exit_duration_in_mins")
 
@@ -356,6 +360,9 @@ def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
         errors.append("--rl-task lookup needs --rl-env search: its values are found only by searching its corpus")
     if args.rl_search_corpus and args.rl_env != "search":
         errors.append("--rl-search-corpus is read by --rl-env search only")
+    if not 0 < args.rl_code_time_limit < args.rl_env_timeout:
+        errors.append(f"--rl-code-time-limit must be > 0 and below --rl-env-timeout ({args.rl_env_timeout}), "
+                      f"got {args.rl_code_time_limit}")
     if not args.rl_env_timeout > 0:
         errors.append(f"--rl-env-timeout must be > 0 seconds, got {args.rl_env_timeout}")
     if args.rl_max_context_tokens is not None and not args.rl_max_context_tokens >= 2:

@@ -12,6 +12,7 @@ trainer recomputes). The environment's calls of a turn run together, each on its
 
 import functools
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -79,8 +80,9 @@ def run_conversations(generator: Generator, examples: list, environment: type, t
                       sampling: Sampling, config: TurnConfig) -> tuple[list[Generation], list[tuple], Counter]:
     """One conversation per example (a group's samples repeat its example): their generations,
     their scores (reward, problem): the sum of the environment's rewards, or 0 and FAILED or
-    TIMED_OUT when it failed), and the counts of what happened (turns, environment problems,
-    conversations cut by the turn or context limit)."""
+    TIMED_OUT when it failed), and the counts of what happened (turns and the most of one
+    conversation, environment problems and seconds, conversations cut by the turn or context
+    limit)."""
     # A sample whose environment fails to open keeps the example's prompt and samples nothing.
     conversations = [Conversation(environment(), tokenizer.encode_prompt(e.prompt)) for e in examples]
     context = min(config.max_context_tokens or generator.config.max_sequence_length,
@@ -92,12 +94,13 @@ def run_conversations(generator: Generator, examples: list, environment: type, t
             conversation.end(outcome.problem)
         else:
             conversation.prompt_tokens = outcome.value
+    counts = Counter()
     for _ in range(config.max_turns):
         open_ = [c for c in conversations if not c.over and len(c.prompt_tokens) + len(c.tokens) < context]
         if not open_:
             break
-        _turn(generator, open_, tokenizer, sampling, config, context)
-    counts = Counter(c.problem for c in conversations if c.problem)
+        _turn(generator, open_, tokenizer, sampling, config, context, counts)
+    counts.update(c.problem for c in conversations if c.problem)
     counts.update(turns=sum(c.turns for c in conversations),
                   truncated=sum(not c.over for c in conversations))
     counts["turns_max"] = max(c.turns for c in conversations)
@@ -106,8 +109,9 @@ def run_conversations(generator: Generator, examples: list, environment: type, t
 
 
 def _turn(generator: Generator, conversations: list[Conversation], tokenizer, sampling: Sampling,
-          config: TurnConfig, context: int) -> None:
-    """One sampled turn of each conversation, then the environment's answers."""
+          config: TurnConfig, context: int, counts: Counter) -> None:
+    """One sampled turn of each conversation, then the environment's answers (their wall time
+    added to counts["env_seconds"])."""
     stop_strings = tuple(conversations[0].environment.stop_strings)
     requests = [c.prompt_tokens + c.tokens for c in conversations]
     budgets = [min(sampling.max_new_tokens, context - len(r)) for r in requests]
@@ -119,8 +123,10 @@ def _turn(generator: Generator, conversations: list[Conversation], tokenizer, sa
         conversation.stopped_on_eod = generation.stopped_on_eod and kept == len(generation.completion_tokens)
         turn = generation.completion_tokens[:kept]
         texts.append(tokenizer.decode(turn[:-1] if conversation.stopped_on_eod else turn))
+    started = time.monotonic()
     answers = call_all([functools.partial(_step, c.environment, text, tokenizer, config.observation_tokens)
                         for c, text in zip(conversations, texts)], config.env_timeout_s)
+    counts["env_seconds"] += time.monotonic() - started
     for conversation, outcome in zip(conversations, answers):
         if outcome.problem:
             conversation.end(outcome.problem)

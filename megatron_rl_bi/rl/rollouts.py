@@ -181,12 +181,13 @@ def collect_rollouts(
 
 
 def _conversation_terms(trained: list[Rollout], counts: Counter, samples: int) -> MetricTerms:
-    """Multi-turn metrics: turns per conversation (of all generated), environment problems and
-    conversations cut by a limit, and the trained rollouts' sampled and environment tokens."""
+    """Multi-turn metrics: turns per conversation (of all generated), environment problems, the
+    seconds spent waiting for the environment, conversations cut by a limit, and the trained
+    rollouts' sampled and environment tokens."""
     sampled = sum(r.generation.sampled_tokens for r in trained)
     return MetricTerms(
         sums={"rollouts/env_failures": counts[FAILED], "rollouts/env_timeouts": counts[TIMED_OUT],
-              "rollouts/conversations_cut": counts["truncated"]},
+              "rollouts/conversations_cut": counts["truncated"], "rollouts/env_seconds": counts["env_seconds"]},
         means={"rollouts/turns": (counts["turns"], samples),
                "rollouts/sampled_tokens": (sampled, len(trained)),
                "rollouts/environment_tokens": (sum(len(r.completion_tokens) for r in trained) - sampled,

@@ -114,6 +114,7 @@ def test_failing_hanging_or_malformed_environments_score_0_and_are_counted():
     assert time.monotonic() - started < 3  # the hung call was not waited for
     assert scores == [(0.0, FAILED), (0.0, TIMED_OUT), (0.0, FAILED), (1.0, None)]
     assert (counts[FAILED], counts[TIMED_OUT]) == (2, 1)
+    assert 0.5 <= counts["env_seconds"] < 3  # the turn waited for its slowest call, up to the limit
 
 
 def test_calls_run_together_within_one_deadline():
