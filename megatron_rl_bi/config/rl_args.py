@@ -351,9 +351,6 @@ def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
     """One ValueError listing every bad RL flag (and `errors` found elsewhere)."""
     errors = [*errors, *bound_errors(args), *input_path_errors(args), *logger_package_errors(args),
               *memory_lever_errors(args)]
-    if args.rl_env and args.rl_eval_dataset:
-        errors.append("--rl-eval-dataset with --rl-env: validation scores single completions with the "
-                      "math verifier; validation of conversations is not built yet")
     if args.rl_env and args.rl_reward_fn:
         errors.append("--rl-reward-fn with --rl-env: the environment scores each conversation")
     if args.rl_task == "lookup" and args.rl_env != "search":

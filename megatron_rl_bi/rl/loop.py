@@ -257,7 +257,8 @@ def run_rl(
             weight_version += metrics["optimizer_steps"]
             if eval_examples and _due(step, config.eval_interval, last=False):
                 with generating(optimizer, config.offload_optimizer_during_inference):
-                    terms = validation_terms(generator, eval_examples, tokenizer, sampling, config.seed)
+                    terms = validation_terms(generator, eval_examples, tokenizer, sampling, config.seed,
+                                             rollout_config)
                 metrics.update(all_reduce_metrics(terms))
             metrics["weight_version"] = weight_version
             metrics["time/eta_s"] = (time.time() - started) / (step - start_step) * (config.steps - step)

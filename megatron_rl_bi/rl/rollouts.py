@@ -98,9 +98,10 @@ def _score_group(generations, scores, sampling, config, group_id, weight_version
     return rollouts, task_rewards, problems
 
 
-def _generate(generator, samples, tokenizer, sampling, config, conversation_counts):
+def generate_and_score(generator, samples, tokenizer, sampling, config, conversation_counts):
     """Each sample's generation and score (reward, problem): one completion scored by the
-    example's verifier, or with an environment (--rl-env) a conversation scored by it."""
+    example's verifier, or with an environment (--rl-env) a conversation scored by it (what
+    happened added to `conversation_counts`)."""
     if config.environment is None:
         generations = generator.generate([tokenizer.encode_prompt(e.prompt) for e in samples], sampling)
         return generations, [score_completion(e, g, tokenizer) for e, g in zip(samples, generations)]
@@ -138,7 +139,8 @@ def collect_rollouts(
         samples = [e for e in examples for _ in range(config.group_size)]
         round_sampling = dataclasses.replace(sampling, seed=sampling.seed + 7919 * rounds)
         started = time.time()
-        generations, scores = _generate(generator, samples, tokenizer, round_sampling, config, conversation_counts)
+        generations, scores = generate_and_score(generator, samples, tokenizer, round_sampling, config,
+                                                 conversation_counts)
         _report_round(rounds, generations, time.time() - started)
         for i, example in enumerate(examples):
             span = slice(i * config.group_size, (i + 1) * config.group_size)
