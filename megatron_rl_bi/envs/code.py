@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 
+from megatron_rl_bi.envs.verifiers import tagged_answer
+
 OUTPUT_CHARACTERS = 8192  # what a program's output may bring back, before the token limit
 
 # Runs in the sandbox (argv: CPU seconds, memory bytes): sets its own limits (not in a
@@ -96,10 +98,8 @@ class CodeEnvironment:
         if text.endswith("</code>"):
             program = text.rsplit("<code>", 1)[-1].removesuffix("</code>")
             return f"\n<output>{run_python(program, self.seconds, self.memory_mb)}</output>\n", 0.0, False
-        start, end = text.rfind("<answer>"), text.rfind("</answer>")
-        if start < 0 or end < start:
-            return "", 0.0, True
-        return "", float(self.example.verify(text[start + len("<answer>"):end].strip())), True
+        answer = tagged_answer(text)
+        return "", 0.0 if answer is None else float(self.example.verify(answer)), True
 
 
 def code_environment(seconds: float, memory_mb: int) -> type:

@@ -1,18 +1,16 @@
 """The built-in search environment (`--rl-env search`), offline: a BM25 index (bm25s) over a
 local corpus; the model searches with `<search>query</search>`, reads
 `<information>top-k passages</information>`, and answers with `<answer>...</answer>`, scored by
-exact match after Search-R1's normalization (lower case, no punctuation, no articles, single
-spaces) against the example's answer.
+exact match after Search-R1's normalization (verifiers.verify_exact_match) against the example's
+accepted answers.
 
 The corpus is `--rl-search-corpus FILE` (JSONL, one passage a line: "contents" or "text"), or,
 without it, the task's own corpus (the built-in `--rl-task lookup`).
 """
 
-import re
-import string
-
 import bm25s
 
+from megatron_rl_bi.envs.verifiers import verify_exact_match
 from megatron_rl_bi.jsonfile import parse_object
 
 def read_corpus(path: str) -> list[str]:
@@ -49,17 +47,6 @@ class Retriever:
         return [self.passages[i] for i in ids[0]]
 
 
-def normalize_answer(text: str) -> str:
-    text = "".join(c for c in text.lower() if c not in string.punctuation)
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
-
-
-def _last_tag(text: str, tag: str) -> str | None:
-    found = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL)
-    return found[-1].strip() if found else None
-
-
 class SearchEnvironment:
     """One sample's conversation; the class attributes come from `search_environment`."""
 
@@ -69,15 +56,15 @@ class SearchEnvironment:
 
     def reset(self, example) -> str:
         """The example's prompt as it is: a dataset's prompts carry their instructions."""
-        self.answer = normalize_answer(example.answer)
+        self.answers = example.accepted or (example.answer,)
         return example.prompt
 
     def step(self, text: str) -> tuple[str, float, bool]:
         if text.endswith("</search>"):
-            query = _last_tag(text, "search") or ""
+            query = text.rsplit("<search>", 1)[-1].removesuffix("</search>").strip()
             return information(self.retriever.search(query, self.top_k)), 0.0, False
-        answer = _last_tag(text, "answer")
-        return "", float(answer is not None and normalize_answer(answer) == self.answer), True
+        answered = "<answer>" in text and "</answer>" in text
+        return "", verify_exact_match(text, self.answers) if answered else 0.0, True
 
 
 def information(passages: list[str]) -> str:

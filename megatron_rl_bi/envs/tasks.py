@@ -10,7 +10,7 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_rl_bi.envs.verifiers import verify_countdown, verify_math, verify_sort
+from megatron_rl_bi.envs.verifiers import verify_countdown, verify_exact_match, verify_math, verify_sort
 from megatron_rl_bi.jsonfile import parse_object
 
 
@@ -24,6 +24,8 @@ class Example:
     demonstration: str | None = None
     """The SFT warm-up target when it is more than `answer`: a multi-turn task's whole
     transcript (its tool calls and their results), `answer` being what is compared."""
+    accepted: tuple[str, ...] = ()
+    """Every answer that scores (a QA line's golden answers); empty: `answer` alone."""
 
 
 class SortTask:
@@ -94,8 +96,9 @@ class LookupTask:
 
 class JsonlTask:
     """One JSON object per line, UTF-8, with fields 'prompt' (a string) and 'answer' (a string or
-    a JSON number); math verifier. Every line is checked when the file is opened: a bad line
-    fails with FILE:LINE."""
+    a JSON number), math verifier; or a QA line as NQ / HotpotQA / Search-R1 publish them,
+    'question' and 'golden_answers' (or 'answer'), exact match. Every line is checked when the
+    file is opened: a bad line fails with FILE:LINE."""
 
     def __init__(self, path: str):
         self.path, self.examples, self.line_numbers = path, [], []
@@ -149,9 +152,17 @@ def _answer_text(value) -> str | None:
     return None
 
 
+# A question line's prompt (NQ / HotpotQA / Search-R1 files give the question alone).
+QUESTION_PROMPT = ("Answer the question. Think it through; to look something up, write "
+                   "<search>query</search>, and the results come back between <information> and "
+                   "</information>. Give the final answer as <answer>...</answer>.\nQuestion: {}\n")
+
+
 def _parse_line(path: str, line_number: int, line: str) -> Example:
     where = f"{path}:{line_number}"
     record = parse_object(line, path, line_number)
+    if "question" in record and "prompt" not in record:
+        return _question_line(where, record)
     if not isinstance(record.get("prompt"), str) or not record["prompt"]:
         raise ValueError(f"{where}: field 'prompt' must be a non-empty string")
     answer = _answer_text(record.get("answer"))
@@ -162,6 +173,20 @@ def _parse_line(path: str, line_number: int, line: str) -> Example:
         answer=answer,
         verify=functools.partial(verify_math, answer=answer),
     )
+
+
+def _question_line(where: str, record: dict) -> Example:
+    """A QA line as published: 'question' and its answers ('golden_answers' or 'answer', a string
+    or a list), scored by exact match against any of them."""
+    question = record["question"]
+    answers = record.get("golden_answers", record.get("answer"))
+    answers = [answers] if isinstance(answers, str) else answers
+    if not isinstance(question, str) or not question:
+        raise ValueError(f"{where}: field 'question' must be a non-empty string")
+    if not isinstance(answers, list) or not answers or not all(isinstance(a, str) and a for a in answers):
+        raise ValueError(f"{where}: field 'golden_answers' (or 'answer') must be a non-empty string or list of them")
+    return Example(prompt=QUESTION_PROMPT.format(question), answer=answers[0], accepted=tuple(answers),
+                   verify=functools.partial(verify_exact_match, answers=tuple(answers)))
 
 
 def build_task(name: str, seed: int, dataset: str | None = None):

@@ -3,6 +3,7 @@
 
 import ast
 import re
+import string
 from fractions import Fraction
 
 
@@ -127,3 +128,25 @@ def verify_math(completion: str, answer: str) -> float:
     if expected_number is not None:
         return float(given_number == expected_number)
     return float(given == expected)
+
+
+def normalize_answer(text: str) -> str:
+    """Search-R1's exact-match normalization: lower case, no punctuation, no articles, single
+    spaces."""
+    text = "".join(c for c in text.lower() if c not in string.punctuation)
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def tagged_answer(text: str) -> str | None:
+    """The last <answer>...</answer> of `text`, stripped; None without one."""
+    found = re.findall(r"<answer>(.*?)</answer>", text, flags=re.DOTALL)
+    return found[-1].strip() if found else None
+
+
+def verify_exact_match(completion: str, answers: tuple[str, ...]) -> float:
+    """1 when the completion's tagged answer (or, untagged, the whole completion) equals one of
+    `answers` after normalize_answer."""
+    answer = tagged_answer(completion)
+    given = normalize_answer(completion if answer is None else answer)
+    return float(given in {normalize_answer(a) for a in answers})

@@ -11,7 +11,8 @@ import pytest
 from megatron_rl_bi.config import parse_rl_args
 from megatron_rl_bi.envs import Example
 from megatron_rl_bi.envs.environment import build_environment
-from megatron_rl_bi.envs.search import Retriever, normalize_answer, read_corpus, search_environment
+from megatron_rl_bi.envs.search import Retriever, read_corpus, search_environment
+from megatron_rl_bi.envs.verifiers import normalize_answer
 from megatron_rl_bi.envs.tasks import LookupTask
 from megatron_rl_bi.envs.tokenizer import CharTokenizer
 from megatron_rl_bi.inference import Generation, Sampling
@@ -109,3 +110,22 @@ def test_search_flags_that_cannot_work_are_refused(flags, message):
 def test_search_without_a_corpus_names_the_flag():
     with pytest.raises(ValueError, match="--rl-env search needs --rl-search-corpus FILE"):
         build_environment("search", task=SimpleNamespace())
+
+
+def test_qa_lines_as_published_become_questions_with_every_golden_answer(tmp_path):
+    from megatron_rl_bi.envs.tasks import QUESTION_PROMPT, JsonlTask
+
+    path = tmp_path / "nq.jsonl"
+    path.write_text(json.dumps({"id": "q1", "question": "where is the eiffel tower", "golden_answers": ["Paris", "Paris, France"]})
+                    + "\n" + json.dumps({"question": "capital of egypt", "answer": "Cairo"}) + "\n")
+    first, second = JsonlTask(str(path)).examples
+    assert first.prompt == QUESTION_PROMPT.format("where is the eiffel tower") and first.accepted == ("Paris", "Paris, France")
+    assert first.verify("<answer>paris france</answer>") == 1.0 and first.verify("<answer>Lyon</answer>") == 0.0
+    assert second.accepted == ("Cairo",) and second.verify("Cairo.") == 1.0  # untagged: the whole completion
+    env = search_environment(CORPUS, top_k=1)()
+    env.reset(first)
+    assert env.step("<answer>Paris, France</answer>")[1] == 1.0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "q", "golden_answers": []}) + "\n")
+    with pytest.raises(ValueError, match=f"{bad}:1: field 'golden_answers' .* must be a non-empty"):
+        JsonlTask(str(bad))
