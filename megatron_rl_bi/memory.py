@@ -257,6 +257,10 @@ class MemoryPlan:
     """Requests of the longest length the engine's cache holds together (requests_held)."""
     generation_waves: int = 0
     """Rounds of that many requests a step's generation takes (its decode time grows with them)."""
+    host_optimizer_bytes: int = 0
+    """Optimizer state each GPU's process keeps in host memory at some point: all of it with
+    --optimizer-cpu-offload, its GPU state while generating with
+    --rl-offload-optimizer-during-inference."""
 
     def phase_bytes(self, phase: str) -> int:
         return sum(item.bytes for item in self.items if phase in item.phases)
@@ -273,7 +277,8 @@ class MemoryPlan:
         return {**{item.name: item.bytes / GIB for item in self.items},
                 **{f"peak_{phase}": self.phase_bytes(phase) / GIB for phase in BOTH},
                 "peak": self.peak_bytes / GIB, "gpu": self.gpu_bytes / GIB,
-                "requests_at_once": self.requests_at_once, "generation_waves": self.generation_waves}
+                "requests_at_once": self.requests_at_once, "generation_waves": self.generation_waves,
+                "host_optimizer": self.host_optimizer_bytes / GIB}
 
 
 def _per_rank(state_bytes: int, levers: Levers, data_parallel: int) -> int:
@@ -303,6 +308,14 @@ def _state_items(shape: ModelShape, levers: Levers, data_parallel: int) -> list[
     if levers.reference_model:
         items.append(Item("KL reference weights", params * shape.param_bytes, (TRAINING,), "--grpo-kl-beta > 0"))
     return items
+
+
+def host_optimizer_bytes(params: int, shape: ModelShape, levers: Levers, data_parallel: int) -> int:
+    """The optimizer state a rank keeps in host memory: all of it on the CPU route, or what leaves
+    the GPU while the engine generates."""
+    if levers.optimizer_cpu_offload:
+        return optimizer_bytes(params, shape, replace(levers, optimizer_cpu_offload=False), data_parallel)
+    return optimizer_bytes(params, shape, levers, data_parallel) if levers.offload_optimizer_during_inference else 0
 
 
 def optimizer_growth_before_generation(params: int, shape: ModelShape, levers: Levers,
@@ -350,6 +363,7 @@ def plan_memory(run: RunShape, levers: Levers) -> MemoryPlan:
     """Every piece of GPU state by phase, and the levers that would lower the peak."""
     plan = MemoryPlan(_items(run, levers), run.gpu_bytes)
     plan.suggestions = suggestions(run, levers, plan.peak_bytes)
+    plan.host_optimizer_bytes = host_optimizer_bytes(parameter_count(run.model), run.model, levers, run.data_parallel)
     cache = replace(run.engine, buffer_bytes=plan.item("KV cache + GDN states").bytes)
     plan.requests_at_once = requests_held(run.model, cache)
     plan.generation_waves = math.ceil(run.requests / plan.requests_at_once) if plan.requests_at_once else 0
@@ -422,6 +436,8 @@ def format_plan(plan: MemoryPlan) -> str:
     rows.append(f"{'peak, training':26} {plan.phase_bytes(TRAINING) / GIB:8.2f}")
     rows.append(f"engine: the cache holds {plan.requests_at_once} requests of the longest length at once; "
                 f"a step's requests generate in {plan.generation_waves} wave(s)")
+    if plan.host_optimizer_bytes:
+        rows.append(f"host: the optimizer state takes {plan.host_optimizer_bytes / GIB:.2f} GiB of CPU memory a GPU")
     fits = plan.peak_bytes <= plan.gpu_bytes
     rows.append(f"predicted peak {plan.peak_bytes / GIB:.2f} GiB of {plan.gpu_bytes / GIB:.1f} GiB: "
                 + ("fits" if fits else "does NOT fit"))

@@ -122,6 +122,11 @@ def test_plan_by_hand_each_lever():
     assert offload.phase_bytes(GENERATION) == 6 * params + 1000  # optimizer on the CPU meanwhile
     assert plan_memory(_run(dp=4), Levers(distributed_optimizer=True)).item("optimizer").bytes == 12 * params // 4
     assert plan_memory(_run(), Levers(optimizer_cpu_offload=True)).item("optimizer").bytes == 0
+    # host memory: the whole state on the CPU route (1/4 each, distributed over 4), the GPU state
+    # while generating with the offload lever, none otherwise
+    assert plan_memory(_run(dp=4), Levers(optimizer_cpu_offload=True, distributed_optimizer=True)
+                       ).host_optimizer_bytes == 12 * params // 4
+    assert offload.host_optimizer_bytes == 12 * params and plan.host_optimizer_bytes == 0
     assert plan_memory(_run(), Levers(reference_model=True)).item("KL reference weights").bytes == 2 * params
     full = plan_memory(_run(), Levers(recompute=Recompute("full", "uniform", 1)))
     assert full.item("activations").bytes == 1640
