@@ -173,6 +173,21 @@ def _memory_bench_table(*paths: str) -> str:
     return "\n".join(rows)
 
 
+def _memory_plan_table(*paths: str) -> str:
+    """tools/memory_plan.py --plan-output: each plan's GPUs, its GPU pieces, the peaks of both
+    phases, the engine's waves and the optimizer's host memory."""
+    rows = ["| file | GPUs | weights | optimizer on the GPU | KV cache | peak generating | peak training "
+            "| requests at once, waves | optimizer in host memory |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for path in paths:
+        report = load(path)
+        plan = report["plan_gib"]
+        rows.append(f"| `{os.path.basename(path)}` | {report['gpus']} | {plan['weights']:.1f} | {plan['optimizer']:.1f} "
+                    f"| {plan['KV cache + GDN states']:.1f} | {plan['peak_generation']:.1f} | {plan['peak_training']:.1f} "
+                    f"| {plan['requests_at_once']}, {plan['generation_waves']} | {plan['host_optimizer']:.1f} |")
+    return "\n".join(rows)
+
+
 def _last_step_lines(path: str, plot: str) -> str:
     """The console's last lines of a pretrain_rl.py run: its last step's progress line, then
     the plot path tools/plot_metrics.py prints."""
@@ -185,6 +200,7 @@ def _last_step_lines(path: str, plot: str) -> str:
 
 TABLES = {"parity": _parity_table, "rl_runs": _rl_runs_table, "bench": _bench_table,
           "decode_tail": _decode_tail_table, "gdn_rule": _gdn_rule_table, "memory_bench": _memory_bench_table,
+          "memory_plans": _memory_plan_table,
           "last_step_lines": _last_step_lines}
 
 
