@@ -1,7 +1,8 @@
 """GDN rule speed on one GPU, as ratios within one run: the BI rule (fla recurrent forward,
 chunked backward) against the chunked alternatives that run here: megatron-core's torch chunked
-rule under autograd (what its deterministic mode trains with), fla's chunked forward, and, where
-fla allows its chunked backward (not on Hopper with Triton 3.4-3.7.0), fla's chunked step.
+rule under autograd (what its deterministic mode trains with), fla's chunked forward, and fla's
+chunked step; where fla refuses its chunked backward (Hopper with Triton 3.4-3.7.0), that step with
+the refusal lifted (`guard_lifted_*`), and how far its gradients are from the torch rule's.
 
   python bench/gdn_rule.py --output results/bench_gdn_rule_h200.json
 """
@@ -63,11 +64,32 @@ def measure(tokens, sequences, heads, dim) -> dict:
     ms["ratio_recurrent_vs_chunk_forward"] = (
         ms["recurrent_forward_ms"] / ms["fla_chunk_forward_ms"])
     if compat.fla_chunk_backward_works():
-        ms["bi_step_fla_backward_ms"] = 1000 * seconds(
-            lambda: step(partial(gated_delta_rule, chunk_backend="fla")), 10)
-        ms["fla_chunk_step_ms"] = 1000 * seconds(lambda: step(chunk_gated_delta_rule), 10)
-        ms["ratio_bi_step_vs_fla_chunk_step"] = ms["bi_step_fla_backward_ms"] / ms["fla_chunk_step_ms"]
+        ms.update(_fla_backward(step, chunk_gated_delta_rule))
+    else:  # what fla's refused backward would give here: its gradients against the torch rule's
+        with compat.fla_hopper_backward_guard_lifted():
+            ms.update({f"guard_lifted_{key}": value for key, value in _fla_backward(step, chunk_gated_delta_rule).items()})
+            ms["guard_lifted_gradient_error"] = _gradient_error(inputs, step)
     return ms
+
+
+def _fla_backward(step, chunk_gated_delta_rule) -> dict:
+    ms = {"bi_step_fla_backward_ms": 1000 * seconds(lambda: step(partial(gated_delta_rule, chunk_backend="fla")), 10),
+          "fla_chunk_step_ms": 1000 * seconds(lambda: step(chunk_gated_delta_rule), 10)}
+    ms["ratio_bi_step_vs_fla_chunk_step"] = ms["bi_step_fla_backward_ms"] / ms["fla_chunk_step_ms"]
+    return ms
+
+
+def _gradient_error(inputs, step) -> dict:
+    """Per input (q, k, v, g, beta): max |fla backward - torch backward| / max |torch backward|,
+    both under the BI rule's recurrent forward."""
+    grads = {}
+    for backend in ("torch", "fla"):
+        for t in inputs:
+            t.grad = None
+        step(partial(gated_delta_rule, chunk_backend=backend))
+        grads[backend] = [t.grad.float() for t in inputs]
+    return {name: ((fla - ref).abs().max() / ref.abs().max()).item()
+            for name, fla, ref in zip(("q", "k", "v", "g", "beta"), grads["fla"], grads["torch"])}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -153,6 +153,23 @@ def fla_chunk_backward_works() -> bool:
 
 
 @contextlib.contextmanager
+def fla_hopper_backward_guard_lifted():
+    """fla 0.6.0's gated chunk_bwd_dqkwg raises on Hopper with Triton >= 3.4 and < 3.7.1: there
+    Triton miscompiles a transposed operand left in the wgmma accumulator layout (fla issue 640,
+    reported at BK = 64; fla 0.6.0 tiles heads of K = 128 with BK = 128 on Hopper). Lifted only to
+    measure whether its gradients are right at a given shape (bench/gdn_rule.py compares them
+    with the torch rule's); no training path lifts it."""
+    import fla.ops.common.chunk_o as chunk_o
+
+    saved = chunk_o.TRITON_ABOVE_3_7_1
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    try:
+        yield
+    finally:
+        chunk_o.TRITON_ABOVE_3_7_1 = saved
+
+
+@contextlib.contextmanager
 def hybrid_stack_final_norm(norm_class):
     """megatron-core 0.19.2's HybridStack builds its final norm as `TENorm` unconditionally
     (models/hybrid/hybrid_block.py, "Hybrid always uses TransformerEngine"). For the non-TE
