@@ -218,8 +218,6 @@ UNUSED_MEGATRON_FLAGS = {
     "--eval-iters": "--rl-eval-dataset is evaluated whole every --eval-interval steps",
     "--save-retain-interval": "--rl-keep-last-k keeps the newest checkpoints",
     "--async-save": "checkpoints are written synchronously, then renamed into place",
-    "--rl-partial-rollouts": "generation runs synchronously, on the weights of the last step",
-    "--rl-generation-lag": "generation runs synchronously, on the weights of the last step",
     "--refit-method": "the engine runs on the trainer's own module: no weights are copied",
     "--rl-offload-inference-model-weights-when-idle": "the engine shares the trainer's weights",
     "--rl-training-cuda-graphs": "the trainer runs eagerly; CUDA graphs are the engine's",
@@ -355,6 +353,13 @@ def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
         errors.append("--rl-reward-fn with --rl-env: the environment scores each conversation")
     if args.rl_task == "lookup" and args.rl_env != "search":
         errors.append("--rl-task lookup needs --rl-env search: its values are found only by searching its corpus")
+    if args.rl_generation_lag < 0:
+        errors.append(f"--rl-generation-lag must be >= 0, got {args.rl_generation_lag}")
+    if args.rl_generation_lag and not args.rl_partial_rollouts:
+        errors.append("--rl-generation-lag needs --rl-partial-rollouts (megatron-core's rule)")
+    if args.rl_generation_lag and args.save:
+        errors.append("--rl-generation-lag with --save: the batches generated ahead are not in the "
+                      "checkpoint yet, so a resumed run would lose them; run without --save")
     if args.rl_search_corpus and args.rl_env != "search":
         errors.append("--rl-search-corpus is read by --rl-env search only")
     if not 0 < args.rl_code_time_limit < args.rl_env_timeout:

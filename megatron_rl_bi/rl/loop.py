@@ -7,6 +7,7 @@ ranks by Megatron's DDP. Every step's sampling seed is a function of (seed, step
 resumed from a checkpoint repeats the uninterrupted one.
 """
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -23,7 +24,7 @@ from megatron_rl_bi.checkpoints.megatron import (
     load_checkpoint,
     save_checkpoint,
 )
-from megatron_rl_bi.distributed import all_reduce_metrics
+from megatron_rl_bi.distributed import MetricTerms, all_reduce_metrics
 from megatron_rl_bi.envs import PromptSource
 from megatron_rl_bi.inference import Generator, Sampling
 from megatron_rl_bi.reporting.metrics import MetricsLogger
@@ -75,6 +76,9 @@ class LoopConfig:
     """Stop the same way after the step during which any rank received this signal
     (--exit-signal-handler, --exit-signal; e.g. SIGTERM ahead of a preemption); None: the
     signal keeps its default action."""
+    generation_lag: int = 0
+    """Steps a batch may be generated ahead of the step that trains on it
+    (--rl-generation-lag, with --rl-partial-rollouts); 0: the synchronous loop."""
     offload_optimizer_during_inference: bool = False
     """The optimizer's GPU state (fp32 main weights, Adam moments) waits on the CPU while the
     engine generates (--rl-offload-optimizer-during-inference; megatron-core's offload_to_cpu)."""
@@ -146,16 +150,42 @@ def _restore_lr_schedule(lr_scheduler, state: dict, load_dir: str) -> None:
         ) from error
 
 
-def _rl_step(ddp, optimizer, generator, source, tokenizer, rollout_config, step_config,
-             sampling, weight_version, ref_model, lr_scheduler, config: LoopConfig) -> dict:
-    """Generate, score, update; the step's global metrics with its timings."""
+class _GenerationAhead:
+    """Rollout batches generated ahead of the step that trains on them (--rl-generation-lag L):
+    L + 1 batches in flight, the oldest trained on, each generated with the weights of its time
+    (recorded per rollout, Rollout.weight_version), from the prompts and with the sampling seed
+    of the step it is for. L = 0 generates each step's batch at its step: the synchronous loop."""
+
+    def __init__(self, lag: int, last_step: int, generate):
+        self.lag, self.last_step, self.generate, self.pending = lag, last_step, generate, collections.deque()
+
+    def take(self, step: int, weight_version: int) -> tuple[list, MetricTerms, float]:
+        """Step `step`'s batch (groups, statistics) and the seconds spent generating now (for it
+        and for the steps after it, up to the run's last)."""
+        started = time.time()
+        while len(self.pending) <= self.lag and step + len(self.pending) <= self.last_step:
+            self.pending.append(self.generate(step + len(self.pending), weight_version))
+        groups, stats = self.pending.popleft()
+        return groups, stats, time.time() - started
+
+
+def _staleness_terms(rollouts: list, weight_version: int) -> MetricTerms:
+    """Optimizer steps between the weights that sampled each rollout and the weights it trains."""
+    lags = [weight_version - r.weight_version for r in rollouts]
+    return MetricTerms(means={"rollouts/staleness": (sum(lags), len(lags))},
+                       maxima={"rollouts/staleness_max": float(max(lags, default=0))})
+
+
+def _rl_step(ddp, optimizer, ahead: _GenerationAhead, step: int, step_config, weight_version, ref_model,
+             lr_scheduler) -> dict:
+    """Take the step's rollouts (generating what is due), update; the step's global metrics with
+    its timings (generation: what this step spent generating)."""
     step_start = time.time()
-    with generating(optimizer, config.offload_optimizer_during_inference):
-        groups, stats = collect_rollouts(generator, source, tokenizer, sampling, rollout_config,
-                                         weight_version)
-    generation_s = time.time() - step_start
+    groups, stats, generation_s = ahead.take(step, weight_version)
     rollouts = [r for group in groups for r in group]
-    metrics = train_on_rollouts(ddp, optimizer, rollouts, step_config, ref_model, lr_scheduler)
+    if ahead.lag:
+        stats.update(_staleness_terms(rollouts, weight_version))
+    metrics = train_on_rollouts(ddp, optimizer, rollouts, step_config, ref_model, lr_scheduler, weight_version)
     torch.cuda.synchronize()
     step_s = time.time() - step_start
     stats.sums["tokens"] = sum(len(r.tokens) for r in rollouts)
@@ -249,11 +279,15 @@ def run_rl(
     with _EarlyStop(config) as early_stop:
         start_step, weight_version = _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, task,
                                                         tokenizer, config, logger)
+        def generate(step: int, version: int) -> tuple[list, MetricTerms]:
+            step_sampling = dataclasses.replace(sampling, seed=sampling.seed + 1_000_003 * step + rank)
+            with generating(optimizer, config.offload_optimizer_during_inference):
+                return collect_rollouts(generator, source, tokenizer, step_sampling, rollout_config, version)
+
+        ahead = _GenerationAhead(config.generation_lag, config.steps, generate)
         started = time.time()
         for step in range(start_step + 1, config.steps + 1):
-            step_sampling = dataclasses.replace(sampling, seed=sampling.seed + 1_000_003 * step + rank)
-            metrics = _rl_step(ddp, optimizer, generator, source, tokenizer, rollout_config,
-                               step_config, step_sampling, weight_version, ref_model, lr_scheduler, config)
+            metrics = _rl_step(ddp, optimizer, ahead, step, step_config, weight_version, ref_model, lr_scheduler)
             weight_version += metrics["optimizer_steps"]
             if eval_examples and _due(step, config.eval_interval, last=False):
                 with generating(optimizer, config.offload_optimizer_during_inference):

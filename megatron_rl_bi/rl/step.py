@@ -43,21 +43,40 @@ class StepConfig:
 
 class _Compared:
     """Trainer logprobs next to the engine's, collected over a step's micro-batches and compared
-    once at the end (one device-to-host copy per step, not per micro-batch)."""
+    once at the end (one device-to-host copy per step, not per micro-batch). With rollouts from
+    older weights (generated ahead, --rl-generation-lag), fresh and stale ones are also compared
+    apart (`bit_wise_fresh/*`, `bit_wise_stale/*`): in BI mode every difference is staleness."""
 
-    def __init__(self):
-        self.train, self.engine, self.reported = [], [], []
+    def __init__(self, weight_version: int | None = None):
+        self.weight_version = weight_version
+        self.train, self.engine, self.reported, self.fresh = [], [], [], []
 
-    def add(self, logprobs: torch.Tensor, packed: PackedCompletions) -> None:
+    def add(self, logprobs: torch.Tensor, packed: PackedCompletions, rollouts: list[Rollout]) -> None:
         self.train.append(logprobs.detach())
         self.engine.append(packed.engine_logprobs)
         self.reported.append(packed.reported)
+        fresh = torch.tensor([self.weight_version in (None, r.weight_version) for r in rollouts],
+                             device=packed.reported.device)
+        self.fresh.append(fresh[packed.batch.sequence_ids])
 
     def terms(self) -> MetricTerms:
         if not self.train:
             return parity_terms(torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool))
-        parts = (self.train, self.engine, self.reported)
-        return parity_terms(*(torch.cat(part).cpu() for part in parts))
+        train, engine, reported, fresh = (torch.cat(part).cpu() for part in
+                                          (self.train, self.engine, self.reported, self.fresh))
+        terms = parity_terms(train, engine, reported)
+        if not fresh.all():
+            for prefix, subset in (("bit_wise_fresh/", fresh), ("bit_wise_stale/", ~fresh)):
+                terms.update(_renamed(parity_terms(train, engine, reported & subset), prefix))
+        return terms
+
+
+def _renamed(terms: MetricTerms, prefix: str) -> MetricTerms:
+    """`terms` with 'bit_wise/' in each name replaced by `prefix`."""
+    def rename(table: dict) -> dict:
+        return {prefix + name.removeprefix("bit_wise/"): value for name, value in table.items()}
+
+    return MetricTerms(means=rename(terms.means), sums=rename(terms.sums), maxima=rename(terms.maxima))
 
 
 def _pack(rollouts: list[Rollout]) -> tuple[PackedCompletions, torch.Tensor]:
@@ -88,7 +107,7 @@ def _old_logprobs(ddp, rollouts: list[Rollout], micro_batch_tokens: int, tempera
     for micro in micro_batches(rollouts, micro_batch_tokens):
         packed, _ = _pack(micro)
         logprobs, _ = forward_logprobs(ddp, packed.batch, temperature=temperature)
-        compared.add(logprobs, packed)
+        compared.add(logprobs, packed, micro)
         old.update(zip(map(id, micro), unpack_token_values(logprobs, packed.batch)))
     return old
 
@@ -103,7 +122,7 @@ def _micro_batch_loss(ddp, micro, counts, old_by_rollout, compared, config, ref_
                                          temperature=config.temperature)
     if old_by_rollout is None:
         old = logprobs.detach()
-        compared.add(old, packed)
+        compared.add(old, packed, micro)
     else:
         old = pack_token_values([old_by_rollout[id(r)] for r in micro], batch)
     ref = None
@@ -129,15 +148,17 @@ def train_on_rollouts(
     config: StepConfig,
     ref_model: torch.nn.Module | None = None,
     lr_scheduler=None,
+    weight_version: int | None = None,
 ) -> dict[str, float]:
     """Updates the model; returns global metrics (parity, loss, clip, grad norm, the optimizer
     steps taken, the fraction of mini-batches skipped for having no completion token on any
     rank: e.g. dynamic sampling kept no group, or fewer rollouts than --grpo-iterations).
-    `lr_scheduler` (megatron-core's OptimizerParamScheduler) steps once per optimizer update."""
+    `lr_scheduler` (megatron-core's OptimizerParamScheduler) steps once per optimizer update;
+    `weight_version` (the model's optimizer steps so far) tells rollouts of older weights apart."""
     num_updates = config.updates_per_step
     minibatches = [rollouts[i::num_updates] for i in range(num_updates)]
     counts = _global_counts(minibatches)
-    compared = _Compared()
+    compared = _Compared(weight_version)
     if (counts[:, 0] == 0).all():  # nothing to learn from this step
         return {"update_skipped": 1.0, "optimizer_steps": 0, **all_reduce_metrics(compared.terms())}
     ddp.train()

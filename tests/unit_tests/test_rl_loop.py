@@ -177,3 +177,45 @@ def test_a_multi_turn_run_trains_on_sampled_tokens_only(tmp_path, cpu_loop):
         # "\n<information>Doc 1: k1x is ddd</information>\n" (46) from the environment
         assert record["rollouts/sampled_tokens"] == 40 and record["rollouts/environment_tokens"] == 46
         assert record["bit_wise/tokens"] == 4 * 40  # parity over the sampled tokens alone
+
+
+class CountingSortingEngine(SortingEngine):
+    def __init__(self):
+        self.calls = 0
+
+    def generate(self, prompts, sampling, max_new_tokens=None):
+        self.calls += 1
+        return super().generate(prompts, sampling, max_new_tokens)
+
+
+def test_generation_ahead_records_each_rollouts_staleness(tmp_path, cpu_loop):
+    engine = CountingSortingEngine()
+    args = parse_rl_args(MODEL + ["--grpo-prompts-per-step", "2", "--grpo-group-size", "2", "--train-iters", "5",
+                                  "--rl-partial-rollouts", "--rl-generation-lag", "2", "--lr", "0.1",
+                                  "--rl-metrics-jsonl", str(tmp_path / "m.jsonl")])
+    model, logger = TinyDDP(vocab_size=TOK.vocab_size), MetricsLogger(total_steps=5, jsonl_path=args.rl_metrics_jsonl)
+    optimizer = SGD(model)
+    run_rl(ddp=model, optimizer=optimizer, generator=engine, task=build_task("sort", 0), tokenizer=TOK,
+           rollout_config=rollout_config_from_args(args), step_config=step_config_from_args(args),
+           sampling=sampling_from_args(args, TOK.eod), config=loop_config_from_args(args), logger=logger,
+           lr_scheduler=build_lr_scheduler(args, optimizer))
+    logger.close()
+    records = read_step_records(str(tmp_path / "m.jsonl"))
+    # batches for steps 1-3 come from the starting weights; then each is generated two steps early
+    assert [records[s]["rollouts/staleness"] for s in range(1, 6)] == [0, 1, 2, 2, 2]
+    assert [records[s]["rollouts/staleness_max"] for s in range(1, 6)] == [0, 1, 2, 2, 2]
+    assert engine.calls == 5  # nothing generated past the last step
+    assert "bit_wise_stale/tokens" not in records[1]  # every rollout fresh: no split
+    for step in range(2, 6):
+        record = records[step]
+        assert record["bit_wise_stale/tokens"] == record["bit_wise/tokens"] and record["bit_wise_fresh/tokens"] == 0
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--rl-generation-lag", "2"], "--rl-generation-lag needs --rl-partial-rollouts"),
+    (["--rl-partial-rollouts", "--rl-generation-lag", "1", "--save", "x", "--save-interval", "1"],
+     "--rl-generation-lag with --save"),
+])
+def test_generation_lag_flags_that_cannot_work_are_refused(flags, message):
+    with pytest.raises(ValueError, match=message):
+        parse_rl_args(MODEL + flags)
