@@ -357,9 +357,6 @@ def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
         errors.append(f"--rl-generation-lag must be >= 0, got {args.rl_generation_lag}")
     if args.rl_generation_lag and not args.rl_partial_rollouts:
         errors.append("--rl-generation-lag needs --rl-partial-rollouts (megatron-core's rule)")
-    if args.rl_generation_lag and args.save:
-        errors.append("--rl-generation-lag with --save: the batches generated ahead are not in the "
-                      "checkpoint yet, so a resumed run would lose them; run without --save")
     if args.rl_search_corpus and args.rl_env != "search":
         errors.append("--rl-search-corpus is read by --rl-env search only")
     if not 0 < args.rl_code_time_limit < args.rl_env_timeout:

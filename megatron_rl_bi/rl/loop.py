@@ -26,10 +26,10 @@ from megatron_rl_bi.checkpoints.megatron import (
 )
 from megatron_rl_bi.distributed import MetricTerms, all_reduce_metrics
 from megatron_rl_bi.envs import PromptSource
-from megatron_rl_bi.inference import Generator, Sampling
+from megatron_rl_bi.inference import Generation, Generator, Sampling
 from megatron_rl_bi.reporting.metrics import MetricsLogger
 from megatron_rl_bi.rl.evaluate import validation_terms
-from megatron_rl_bi.rl.rollouts import RolloutConfig, collect_rollouts
+from megatron_rl_bi.rl.rollouts import Rollout, RolloutConfig, collect_rollouts
 from megatron_rl_bi.rl.sft import sft_step
 from megatron_rl_bi.rl.step import StepConfig, train_on_rollouts
 
@@ -115,10 +115,11 @@ def _sft_warmup(ddp, optimizer, task, tokenizer, config: LoopConfig, logger) -> 
         group["lr"] = lr
 
 
-def _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, task, tokenizer, config,
+def _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, ahead, task, tokenizer, config,
                        logger) -> tuple[int, int]:
     """(step, weight version) to continue from: a checkpoint's under --load (with the prompt
-    position and learning-rate schedule it saved), else (0, 0) after the SFT warm-up."""
+    position, the batches generated ahead and the learning-rate schedule it saved), else (0, 0)
+    after the SFT warm-up."""
     state = load_checkpoint(config.load_dir, ddp, optimizer, config.load_optimizer) if config.load_dir else None
     if state is None:
         if config.load_dir and logger:
@@ -130,6 +131,7 @@ def _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, task, tokenizer, co
         raise ValueError(f"--load {config.load_dir}: the checkpoint's run had --seed {state['seed']}, "
                          f"this one {config.seed}; its prompts and samples continue only with its seed")
     source.load_state_dict(state["source"])
+    ahead.load_state_dict(state.get("ahead", []))
     if lr_scheduler is not None and "lr_scheduler" in state:
         _restore_lr_schedule(lr_scheduler, state["lr_scheduler"], config.load_dir)
     if logger:
@@ -167,6 +169,17 @@ class _GenerationAhead:
             self.pending.append(self.generate(step + len(self.pending), weight_version))
         groups, stats = self.pending.popleft()
         return groups, stats, time.time() - started
+
+    def state_dict(self) -> list[dict]:
+        """The batches generated and not yet trained on, as plain values (for the checkpoint:
+        a resumed run trains on them, neither losing nor regenerating one)."""
+        return [{"groups": [[dataclasses.asdict(r) for r in group] for group in groups],
+                 "stats": dataclasses.asdict(stats)} for groups, stats in self.pending]
+
+    def load_state_dict(self, state: list[dict]) -> None:
+        self.pending = collections.deque(
+            ([[Rollout(**{**r, "generation": Generation(**r["generation"])}) for r in group]
+              for group in batch["groups"]], MetricTerms(**batch["stats"])) for batch in state)
 
 
 def _staleness_terms(rollouts: list, weight_version: int) -> MetricTerms:
@@ -237,14 +250,15 @@ class _EarlyStop:
         return None
 
 
-def _save(step: int, weight_version: int, ddp, optimizer, lr_scheduler, source,
+def _save(step: int, weight_version: int, ddp, optimizer, lr_scheduler, source, ahead,
           config: LoopConfig, hf_model: HFModel | None, exiting: bool) -> None:
     """The Megatron checkpoint (--save) and the Hugging Face export (--save-hf) due at `step`;
-    `exiting` (an early stop) forces the checkpoint, not the export."""
+    `exiting` (an early stop) forces the checkpoint, not the export. The checkpoint holds the
+    batches generated ahead with the prompt position after them."""
     last = step == config.steps
     if config.save_dir and _due(step, config.save_interval, last or exiting):
         rl_state = {"step": step, "weight_version": weight_version, "seed": config.seed,
-                    "source": source.state_dict()}
+                    "source": source.state_dict(), "ahead": ahead.state_dict()}
         if lr_scheduler is not None:
             rl_state["lr_scheduler"] = lr_scheduler.state_dict()
         save_checkpoint(config.save_dir, step, ddp, optimizer, rl_state, keep_last=config.keep_last)
@@ -276,15 +290,15 @@ def run_rl(
     held-out prompts (--rl-eval-dataset)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     source = PromptSource(task, config.seed, rank, world)
-    with _EarlyStop(config) as early_stop:
-        start_step, weight_version = _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, task,
-                                                        tokenizer, config, logger)
-        def generate(step: int, version: int) -> tuple[list, MetricTerms]:
-            step_sampling = dataclasses.replace(sampling, seed=sampling.seed + 1_000_003 * step + rank)
-            with generating(optimizer, config.offload_optimizer_during_inference):
-                return collect_rollouts(generator, source, tokenizer, step_sampling, rollout_config, version)
+    def generate(step: int, version: int) -> tuple[list, MetricTerms]:
+        step_sampling = dataclasses.replace(sampling, seed=sampling.seed + 1_000_003 * step + rank)
+        with generating(optimizer, config.offload_optimizer_during_inference):
+            return collect_rollouts(generator, source, tokenizer, step_sampling, rollout_config, version)
 
-        ahead = _GenerationAhead(config.generation_lag, config.steps, generate)
+    ahead = _GenerationAhead(config.generation_lag, config.steps, generate)
+    with _EarlyStop(config) as early_stop:
+        start_step, weight_version = _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, ahead, task,
+                                                        tokenizer, config, logger)
         started = time.time()
         for step in range(start_step + 1, config.steps + 1):
             metrics = _rl_step(ddp, optimizer, ahead, step, step_config, weight_version, ref_model, lr_scheduler)
@@ -299,7 +313,7 @@ def run_rl(
             if logger:
                 logger.log(step, metrics)
             reason = early_stop.reason(step)
-            _save(step, weight_version, ddp, optimizer, lr_scheduler, source, config, hf_model,
+            _save(step, weight_version, ddp, optimizer, lr_scheduler, source, ahead, config, hf_model,
                   exiting=reason is not None)
             if reason:
                 if logger:

@@ -126,7 +126,8 @@ def test_the_head_needs_no_logits_of_the_whole_batch(cpu_forward, monkeypatch):
     (["--rl-kv-cache-memory-fraction", "0"], r"--rl-kv-cache-memory-fraction must be in \(0, 1\], got 0.0"),
     (["--rl-kv-cache-memory-fraction", "0.5", "--inference-dynamic-batching-buffer-size-gb", "8"],
      "both size the KV cache: give one"),
-    (["--rl-partial-rollouts"], "--rl-partial-rollouts: not used by pretrain_rl.py"),
+    (["--rl-offload-inference-model-weights-when-idle"],
+     "--rl-offload-inference-model-weights-when-idle: not used by pretrain_rl.py"),
     (["--refit-method", "gloo"], "--refit-method: not used by pretrain_rl.py"),
 ])
 def test_levers_that_cannot_work_are_refused(flags, message):

@@ -6,6 +6,7 @@ position, seed, and every RNG. Where megatron-core hard-codes CUDA (a few `devic
 tensors, the CUDA RNG, stream syncs) the fixture puts the CPU in its place; no other part is
 replaced."""
 
+import dataclasses
 import random
 
 import pytest
@@ -16,15 +17,22 @@ from megatron_rl_bi.config import parse_rl_args
 from megatron_rl_bi.config.from_args import loop_config_from_args
 from megatron_rl_bi.envs import PromptSource, build_task
 from megatron_rl_bi.envs.tokenizer import CharTokenizer
+from megatron_rl_bi.inference import Generation
 from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.optimizer import build_ddp_and_optimizer, build_lr_scheduler
 from megatron_rl_bi.rl import loop
+from megatron_rl_bi.rl.rollouts import Rollout
 
 MODEL = ["--num-layers", "1", "--hidden-size", "16", "--ffn-hidden-size", "32",
          "--num-attention-heads", "2", "--seq-length", "32", "--max-position-embeddings", "32",
          "--micro-batch-size", "1", "--use-cpu-initialization", "--transformer-impl", "local",
          "--flash-attention-version", "4", "--lr", "0.01", "--lr-decay-style", "linear",
          "--lr-warmup-iters", "1", "--train-iters", "10", "--clip-grad", "0"]
+
+
+ROLLOUT = Rollout(Generation(prompt_tokens=[5, 6], completion_tokens=[7, 8, 9], completion_logprobs=[-0.5, -0.25, -1.5],
+                             completion_sampled=[True, False, True], stopped_on_eod=True, max_new_tokens=4),
+                  reward=1.0, group_id=3, weight_version=1, advantage=-0.75)
 
 
 def _update(ddp, optimizer, lr_scheduler) -> None:
@@ -101,22 +109,27 @@ def test_resume_restores_weights_optimizer_schedule_position_seed_and_rngs(tmp_p
     get_cuda_rng_tracker().set_states({"model-parallel-rng": torch.arange(16, 32, dtype=torch.uint8)})
     saved = _everything(ddp, optimizer, lr_scheduler, source, cpu_training)
     config = loop_config_from_args(args)
-    loop._save(3, 2, ddp, optimizer, lr_scheduler, source, config, hf_model=None, exiting=True)
+    ahead = loop._GenerationAhead(2, 10, generate=None)  # a batch generated ahead, not yet trained on
+    ahead.load_state_dict([{"groups": [[dataclasses.asdict(ROLLOUT)]], "stats": {"means": {"m": (1.5, 2)}}}])
+    loop._save(3, 2, ddp, optimizer, lr_scheduler, source, ahead, config, hf_model=None, exiting=True)
 
     _restart(cpu_training)
     resume_args, ddp, optimizer, lr_scheduler = _build(["--load", ckpt, "--seed", "3"])
     source = PromptSource(task, resume_args.seed)
     resume = loop_config_from_args(resume_args)
     assert _differing(saved, _everything(ddp, optimizer, lr_scheduler, source, cpu_training)) == set(saved)
-    step, weight_version = loop._resume_or_warm_up(ddp, optimizer, lr_scheduler, source, task,
+    resumed_ahead = loop._GenerationAhead(2, 10, generate=None)
+    step, weight_version = loop._resume_or_warm_up(ddp, optimizer, lr_scheduler, source, resumed_ahead, task,
                                                    CharTokenizer(), resume, logger=None)
     assert (step, weight_version) == (3, 2)
+    [(groups, stats)] = resumed_ahead.pending  # neither lost nor to be generated again
+    assert groups == [[ROLLOUT]] and stats.means == {"m": (1.5, 2)}
     assert len(saved["adam"]) > len(saved["weights"]) > 0
     assert _differing(saved, _everything(ddp, optimizer, lr_scheduler, source, cpu_training)) == set()
 
     other_seed = loop_config_from_args(parse_rl_args(MODEL + ["--load", ckpt, "--seed", "4"]))
     with pytest.raises(ValueError, match=r"--load .*ckpt: the checkpoint's run had --seed 3, this one 4"):
-        loop._resume_or_warm_up(ddp, optimizer, lr_scheduler, source, task, CharTokenizer(),
+        loop._resume_or_warm_up(ddp, optimizer, lr_scheduler, source, resumed_ahead, task, CharTokenizer(),
                                 other_seed, logger=None)
 
 
@@ -129,7 +142,8 @@ def test_a_corrupt_shard_names_the_checkpoint_and_the_way_out(tmp_path, cpu_trai
     source = PromptSource(build_task("sort", args.seed), args.seed)
     config = loop_config_from_args(args)
     for step in (3, 5):
-        loop._save(step, step, ddp, optimizer, lr_scheduler, source, config, hf_model=None, exiting=True)
+        loop._save(step, step, ddp, optimizer, lr_scheduler, source, loop._GenerationAhead(0, 10, None), config,
+                   hf_model=None, exiting=True)
     shards = sorted((ckpt / "iter_0000005").glob("*.distcp"))
     assert shards
     shards[0].write_bytes(b"garbage" * 100)
@@ -137,5 +151,6 @@ def test_a_corrupt_shard_names_the_checkpoint_and_the_way_out(tmp_path, cpu_trai
     with pytest.raises(ValueError, match=(
             r"^.*ckpt/iter_0000005: cannot read the model/optimizer checkpoint \(rank 0: .*\); to resume "
             r"from an older checkpoint, write its step \(3\) into .*ckpt/latest_checkpointed_iteration.txt$")):
-        loop._resume_or_warm_up(ddp, optimizer, lr_scheduler, source, source.task, CharTokenizer(), resume,
+        loop._resume_or_warm_up(ddp, optimizer, lr_scheduler, source, loop._GenerationAhead(0, 10, None), source.task,
+                                CharTokenizer(), resume,
                                 logger=None)
