@@ -69,11 +69,19 @@ class Conversation:
 
 def tokens_through_stop(tokens: list[int], tokenizer, stop_strings: tuple[str, ...]) -> int:
     """How many of a turn's `tokens` it keeps: through the first token whose text completes a
-    stop string, or all of them."""
-    if not any(stop in tokenizer.decode(tokens) for stop in stop_strings):
+    stop string, or all of them. A prefix that holds a stop string stays holding it as it grows,
+    so the first such prefix is found by bisection (a few decodes, not one per token)."""
+    def stops(k: int) -> bool:
+        text = tokenizer.decode(tokens[:k])
+        return any(stop in text for stop in stop_strings)
+
+    if not stops(len(tokens)):
         return len(tokens)
-    return next(k for k in range(1, len(tokens) + 1)
-                if any(stop in tokenizer.decode(tokens[:k]) for stop in stop_strings))
+    low, high = 1, len(tokens)  # stops(high); the answer is the least k with stops(k)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if stops(middle) else (middle + 1, high)
+    return high
 
 
 def run_conversations(generator: Generator, examples: list, environment: type, tokenizer,
@@ -84,22 +92,21 @@ def run_conversations(generator: Generator, examples: list, environment: type, t
     conversation, environment problems and seconds, conversations cut by the turn or context
     limit)."""
     # A sample whose environment fails to open keeps the example's prompt and samples nothing.
-    conversations = [Conversation(environment(), tokenizer.encode_prompt(e.prompt)) for e in examples]
+    conversations = [Conversation(None, tokenizer.encode_prompt(e.prompt)) for e in examples]
     context = min(config.max_context_tokens or generator.config.max_sequence_length,
                   generator.config.max_prompt_tokens)
-    opened = call_all([functools.partial(_reset, c.environment, e, tokenizer) for c, e in zip(conversations, examples)],
-                      config.env_timeout_s)
+    opened = call_all([functools.partial(_open, environment, e, tokenizer) for e in examples], config.env_timeout_s)
     for conversation, outcome in zip(conversations, opened):
         if outcome.problem:
             conversation.end(outcome.problem)
         else:
-            conversation.prompt_tokens = outcome.value
-    counts = Counter()
+            conversation.environment, conversation.prompt_tokens = outcome.value
+    counts, stop_strings = Counter(), tuple(environment.stop_strings)
     for _ in range(config.max_turns):
         open_ = [c for c in conversations if not c.over and len(c.prompt_tokens) + len(c.tokens) < context]
         if not open_:
             break
-        _turn(generator, open_, tokenizer, sampling, config, context, counts)
+        _turn(generator, open_, tokenizer, sampling, config, context, stop_strings, counts)
     counts.update(c.problem for c in conversations if c.problem)
     counts.update(turns=sum(c.turns for c in conversations),
                   truncated=sum(not c.over for c in conversations))
@@ -109,10 +116,9 @@ def run_conversations(generator: Generator, examples: list, environment: type, t
 
 
 def _turn(generator: Generator, conversations: list[Conversation], tokenizer, sampling: Sampling,
-          config: TurnConfig, context: int, counts: Counter) -> None:
+          config: TurnConfig, context: int, stop_strings: tuple[str, ...], counts: Counter) -> None:
     """One sampled turn of each conversation, then the environment's answers (their wall time
     added to counts["env_seconds"])."""
-    stop_strings = tuple(conversations[0].environment.stop_strings)
     requests = [c.prompt_tokens + c.tokens for c in conversations]
     budgets = [min(sampling.max_new_tokens, context - len(r)) for r in requests]
     texts = []
@@ -139,13 +145,14 @@ def _turn(generator: Generator, conversations: list[Conversation], tokenizer, sa
             conversation.add(observation, None)
 
 
-def _reset(environment, example, tokenizer) -> list[int]:
-    """The first observation as the prompt's tokens (through the chat template), on the call's
-    own thread."""
+def _open(environment_class: type, example, tokenizer) -> tuple[object, list[int]]:
+    """A sample's environment, built, and its first observation as the prompt's tokens (through
+    the chat template), on the call's own thread: a constructor that raises fails that sample."""
+    environment = environment_class()
     observation = environment.reset(example)
     if not isinstance(observation, str):
         raise TypeError(f"reset returned {type(observation).__name__}, not the first observation's text")
-    return tokenizer.encode_prompt(observation)
+    return environment, tokenizer.encode_prompt(observation)
 
 
 def _step(environment, text: str, tokenizer, max_tokens: int) -> tuple[list[int], float, bool]:

@@ -80,6 +80,11 @@ def test_stop_strings_cut_a_turn_after_the_token_that_completes_them():
     ids = TOK.encode("ab</s>cd")
     assert tokens_through_stop(ids, TOK, ("</s>",)) == 6
     assert tokens_through_stop(ids, TOK, ("</x>",)) == 8
+    assert tokens_through_stop(ids, TOK, ("cd", "b<")) == 3  # the first stop string completed
+    long = TOK.encode("x" * 300 + "</s>" + "y" * 200)
+    for k in range(1, 8):  # every position, found by bisection
+        assert tokens_through_stop(long[:300] + TOK.encode("</s>")[:k], TOK, ("</s>",)) == (304 if k >= 4 else 300 + k)
+    assert tokens_through_stop(long, TOK, ("</s>",)) == 304
 
 
 def test_turn_and_context_limits_cut_a_conversation():
@@ -95,6 +100,11 @@ def test_turn_and_context_limits_cut_a_conversation():
 
 
 class Broken(KeyValue):
+    def __init__(self):
+        if Broken.builds_left == 0:
+            raise RuntimeError("environment constructor crashed")
+        Broken.builds_left -= 1
+
     def step(self, text):
         if self.answer == "bad":
             raise RuntimeError("tool crashed")
@@ -106,14 +116,16 @@ class Broken(KeyValue):
 
 
 def test_failing_hanging_or_malformed_environments_score_0_and_are_counted():
-    examples = [Example(prompt="find k\n", answer=a, verify=None) for a in ("bad", "slow", "nan", "v")]
+    examples = [Example(prompt="find k\n", answer=a, verify=None) for a in ("bad", "slow", "nan", "v", "v")]
     engine = ScriptedEngine(["<a>v</a>$"])
+    Broken.builds_left = 4  # the fifth sample's environment fails to build
     started = time.monotonic()
-    _, scores, counts = run_conversations(engine, examples, Broken, TOK, SAMPLING,
-                                          TurnConfig(env_timeout_s=0.5))
+    generations, scores, counts = run_conversations(engine, examples, Broken, TOK, SAMPLING,
+                                                    TurnConfig(env_timeout_s=0.5))
     assert time.monotonic() - started < 3  # the hung call was not waited for
-    assert scores == [(0.0, FAILED), (0.0, TIMED_OUT), (0.0, FAILED), (1.0, None)]
-    assert (counts[FAILED], counts[TIMED_OUT]) == (2, 1)
+    assert scores == [(0.0, FAILED), (0.0, TIMED_OUT), (0.0, FAILED), (1.0, None), (0.0, FAILED)]
+    assert (counts[FAILED], counts[TIMED_OUT]) == (3, 1)
+    assert generations[4].prompt_tokens == TOK.encode("find k\n") and generations[4].completion_tokens == []
     assert 0.5 <= counts["env_seconds"] < 3  # the turn waited for its slowest call, up to the limit
 
 
