@@ -6,12 +6,11 @@ built once per sample, with
                                                 reward, and whether the conversation is over
     stop_strings: tuple[str, ...]               text that ends a sampled turn (e.g. "</search>")
 
-Each call (the constructor and reset together, then each step) runs on a thread of its own with a
-time limit (--rl-env-timeout): a call that raises
-or runs out of time ends its sample with reward 0 and is counted (`rollouts/env_failures`,
-`rollouts/env_timeouts`); the run goes on. A timed-out call's thread is left to finish on its own
-(a thread cannot be killed): tools that can hang should bound themselves too, as the built-in
-code sandbox does with a subprocess.
+Each call (the constructor and reset together, then each step) runs on a thread of its own with
+a time limit (--rl-env-timeout): a call that raises or runs out of time ends its sample with
+reward 0 and is counted (`rollouts/env_failures`, `rollouts/env_timeouts`); the run goes on. A
+timed-out call's thread is left to finish on its own (a thread cannot be killed): tools that can
+hang should bound themselves too, as the built-in code sandbox does with a subprocess.
 """
 
 import threading
