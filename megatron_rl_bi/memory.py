@@ -386,7 +386,9 @@ def _items(run: RunShape, levers: Levers) -> list[Item]:
         Item("KV cache + GDN states", kv, kv_phases, f"--rl-kv-cache-management-mode {levers.kv_cache_mode}"),
         Item("engine logits buffer", extra, (GENERATION,), "CUDA graphs: fp32 logits of a decode step"),
         Item("activations", activation_bytes(shape, tokens, levers.recompute), (TRAINING,),
-             f"{tokens} tokens, recompute {levers.recompute.granularity or 'none'}"),
+             f"{tokens} tokens, recompute {levers.recompute.granularity or 'none'}"
+             + (f" (none: {activation_bytes(shape, tokens, Recompute()) / GIB:.2f} GiB)"
+                if levers.recompute.granularity else "")),
         Item("LM head", logits_bytes(shape, tokens), (TRAINING,), "hidden states + one chunk of logits"),
     ]
 

@@ -130,6 +130,7 @@ def test_plan_by_hand_each_lever():
     assert plan_memory(_run(), Levers(reference_model=True)).item("KL reference weights").bytes == 2 * params
     full = plan_memory(_run(), Levers(recompute=Recompute("full", "uniform", 1)))
     assert full.item("activations").bytes == 1640
+    assert full.item("activations").note.endswith(f"(none: {2960 / memory.GIB:.2f} GiB)")  # beside, for comparison
 
 
 def test_kv_cache_sized_by_fraction_of_what_generation_leaves():
