@@ -103,6 +103,7 @@ def loop_config_from_args(args: argparse.Namespace) -> LoopConfig:
         save_hf_interval=args.save_hf_interval,
         eval_interval=args.eval_interval or 0,
         generation_lag=args.rl_generation_lag,
+        keep_old_weights=args.rl_keep_old_weights,
         exit_interval=args.exit_interval or 0,
         exit_duration_s=(args.exit_duration_in_mins or 0) * 60,
         exit_signal=args.exit_signal if args.exit_signal_handler else None,

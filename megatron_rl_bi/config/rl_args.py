@@ -91,6 +91,10 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--rl-metrics-jsonl", default=None, help="per-step metrics file")
     group.add_argument("--rl-keep-last-k", type=int, default=0,
                        help="keep only the newest K checkpoints under --save (0: all)")
+    group.add_argument("--rl-keep-old-weights", type=int, default=0, metavar="N",
+                       help="with --rl-generation-lag: keep the newest N weight versions on the CPU "
+                       "and recompute stale rollouts under the weights that sampled them "
+                       "(bit_wise_versioned/*)")
     group.add_argument("--rl-kv-cache-memory-fraction", type=float, default=None, metavar="F",
                        help="size the engine's KV cache as this fraction of the GPU memory free while "
                        "it generates (instead of --inference-dynamic-batching-buffer-size-gb)")
@@ -277,7 +281,7 @@ def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
 AT_LEAST_ONE = ("grpo_prompts_per_step", "grpo_iterations", "rl_max_new_tokens", "rl_micro_batch_tokens",
                 "train_iters", "rl_sft_batch_size", "rl_dynamic_sampling_max_rounds", "rl_max_turns",
                 "rl_tool_output_tokens", "rl_search_top_k", "rl_code_memory_mb")
-NOT_NEGATIVE = ("rl_sft_warmup_steps", "rl_keep_last_k", "rl_sft_lr", "rl_overlong_penalty",
+NOT_NEGATIVE = ("rl_sft_warmup_steps", "rl_keep_last_k", "rl_keep_old_weights", "rl_sft_lr", "rl_overlong_penalty",
                 "save_hf_interval", "eval_interval", "exit_interval", "exit_duration_in_mins")
 
 

@@ -29,6 +29,7 @@ from megatron_rl_bi.envs import PromptSource
 from megatron_rl_bi.inference import Generation, Generator, Sampling
 from megatron_rl_bi.reporting.metrics import MetricsLogger
 from megatron_rl_bi.rl.evaluate import validation_terms
+from megatron_rl_bi.rl.old_weights import KeptWeights
 from megatron_rl_bi.rl.rollouts import Rollout, RolloutConfig, collect_rollouts
 from megatron_rl_bi.rl.sft import sft_step
 from megatron_rl_bi.rl.step import StepConfig, train_on_rollouts
@@ -79,6 +80,9 @@ class LoopConfig:
     generation_lag: int = 0
     """Steps a batch may be generated ahead of the step that trains on it
     (--rl-generation-lag, with --rl-partial-rollouts); 0: the synchronous loop."""
+    keep_old_weights: int = 0
+    """Weight versions kept on the CPU to recompute stale rollouts under the weights that sampled
+    them (--rl-keep-old-weights)."""
     offload_optimizer_during_inference: bool = False
     """The optimizer's GPU state (fp32 main weights, Adam moments) waits on the CPU while the
     engine generates (--rl-offload-optimizer-during-inference; megatron-core's offload_to_cpu)."""
@@ -190,7 +194,7 @@ def _staleness_terms(rollouts: list, weight_version: int) -> MetricTerms:
 
 
 def _rl_step(ddp, optimizer, ahead: _GenerationAhead, step: int, step_config, weight_version, ref_model,
-             lr_scheduler) -> dict:
+             lr_scheduler, kept: KeptWeights) -> dict:
     """Take the step's rollouts (generating what is due), update; the step's global metrics with
     its timings (generation: what this step spent generating)."""
     step_start = time.time()
@@ -198,7 +202,8 @@ def _rl_step(ddp, optimizer, ahead: _GenerationAhead, step: int, step_config, we
     rollouts = [r for group in groups for r in group]
     if ahead.lag:
         stats.update(_staleness_terms(rollouts, weight_version))
-    metrics = train_on_rollouts(ddp, optimizer, rollouts, step_config, ref_model, lr_scheduler, weight_version)
+    metrics = train_on_rollouts(ddp, optimizer, rollouts, step_config, ref_model, lr_scheduler, weight_version,
+                                kept)
     torch.cuda.synchronize()
     step_s = time.time() - step_start
     stats.sums["tokens"] = sum(len(r.tokens) for r in rollouts)
@@ -299,10 +304,14 @@ def run_rl(
     with _EarlyStop(config) as early_stop:
         start_step, weight_version = _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, ahead, task,
                                                         tokenizer, config, logger)
+        kept = KeptWeights(config.keep_old_weights)
+        kept.keep(weight_version, ddp)
         started = time.time()
         for step in range(start_step + 1, config.steps + 1):
-            metrics = _rl_step(ddp, optimizer, ahead, step, step_config, weight_version, ref_model, lr_scheduler)
+            metrics = _rl_step(ddp, optimizer, ahead, step, step_config, weight_version, ref_model, lr_scheduler,
+                               kept)
             weight_version += metrics["optimizer_steps"]
+            kept.keep(weight_version, ddp)
             if eval_examples and _due(step, config.eval_interval, last=False):
                 with generating(optimizer, config.offload_optimizer_during_inference):
                     terms = validation_terms(generator, eval_examples, tokenizer, sampling, config.seed,

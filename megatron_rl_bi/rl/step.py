@@ -24,6 +24,7 @@ from megatron_rl_bi.packing import (
 )
 from megatron_rl_bi.parity import parity_terms
 from megatron_rl_bi.rl.losses import LossConfig, LossInputs, policy_loss, token_weights
+from megatron_rl_bi.rl.old_weights import KeptWeights
 from megatron_rl_bi.rl.rollouts import Rollout
 
 
@@ -89,6 +90,24 @@ def _pack(rollouts: list[Rollout]) -> tuple[PackedCompletions, torch.Tensor]:
     return packed, advantages
 
 
+@torch.no_grad()
+def _versioned_terms(ddp, rollouts: list[Rollout], kept: KeptWeights, weight_version: int,
+                     config: StepConfig) -> MetricTerms:
+    """The stale rollouts whose weights are still kept, recomputed under those weights: their
+    parity as `bit_wise_versioned/*` (0 in BI mode: staleness explains every other difference)."""
+    stale = [r for r in rollouts if r.weight_version != weight_version and r.weight_version in kept.versions]
+    if not stale:
+        return MetricTerms()
+    compared = _Compared()
+    for version in sorted({r.weight_version for r in stale}):
+        with kept.swapped_in(ddp, version):
+            for micro in micro_batches([r for r in stale if r.weight_version == version], config.micro_batch_tokens):
+                packed, _ = _pack(micro)
+                logprobs, _ = forward_logprobs(ddp, packed.batch, temperature=config.temperature)
+                compared.add(logprobs, packed, micro)
+    return _renamed(compared.terms(), "bit_wise_versioned/")
+
+
 def _global_counts(minibatches: list[list[Rollout]]) -> torch.Tensor:
     """[updates, 2]: sampled completion tokens and completions of each mini-batch over all ranks."""
     counts = torch.tensor(
@@ -149,16 +168,19 @@ def train_on_rollouts(
     ref_model: torch.nn.Module | None = None,
     lr_scheduler=None,
     weight_version: int | None = None,
+    kept: KeptWeights | None = None,
 ) -> dict[str, float]:
     """Updates the model; returns global metrics (parity, loss, clip, grad norm, the optimizer
     steps taken, the fraction of mini-batches skipped for having no completion token on any
     rank: e.g. dynamic sampling kept no group, or fewer rollouts than --grpo-iterations).
     `lr_scheduler` (megatron-core's OptimizerParamScheduler) steps once per optimizer update;
-    `weight_version` (the model's optimizer steps so far) tells rollouts of older weights apart."""
+    `weight_version` (the model's optimizer steps so far) tells rollouts of older weights apart;
+    those whose weights are `kept` are also recomputed under them (`bit_wise_versioned/*`)."""
     num_updates = config.updates_per_step
     minibatches = [rollouts[i::num_updates] for i in range(num_updates)]
     counts = _global_counts(minibatches)
     compared = _Compared(weight_version)
+    versioned = _versioned_terms(ddp, rollouts, kept, weight_version, config) if kept else MetricTerms()
     if (counts[:, 0] == 0).all():  # nothing to learn from this step
         return {"update_skipped": 1.0, "optimizer_steps": 0, **all_reduce_metrics(compared.terms())}
     ddp.train()
@@ -184,6 +206,6 @@ def train_on_rollouts(
         steps += 1
         if lr_scheduler is not None:
             lr_scheduler.step(increment=1)
-    result = all_reduce_metrics(loss_terms.update(compared.terms()))
+    result = all_reduce_metrics(loss_terms.update(compared.terms()).update(versioned))
     return {**result, "grad_norm": grad_norm, "update_skipped": 1.0 - steps / num_updates,
             "optimizer_steps": steps, "lr": float(lr)}

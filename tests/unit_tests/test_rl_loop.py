@@ -21,7 +21,9 @@ from megatron_rl_bi.envs import build_task
 from megatron_rl_bi.envs.tasks import JsonlTask
 from megatron_rl_bi.envs.tokenizer import CharTokenizer
 from megatron_rl_bi.inference import Generation
+from megatron_rl_bi.models.logprobs import forward_logprobs
 from megatron_rl_bi.optimizer import build_lr_scheduler
+from megatron_rl_bi.packing import pack_sequences
 from megatron_rl_bi.reporting.metrics import MetricsLogger, read_step_records
 from megatron_rl_bi.rl import loop
 from megatron_rl_bi.rl.loop import run_rl
@@ -218,3 +220,42 @@ def test_generation_ahead_records_each_rollouts_staleness(tmp_path, cpu_loop):
 def test_generation_lag_flags_that_cannot_work_are_refused(flags, message):
     with pytest.raises(ValueError, match=message):
         parse_rl_args(MODEL + flags)
+
+
+class ModelEngine(SortingEngine):
+    """Completes like SortingEngine, with the logprobs `model` gives each completion token (one
+    request at a time, as an engine would), so a trainer holding the same weights reproduces them."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def generate(self, prompts, sampling, max_new_tokens=None):
+        out = []
+        for generation in super().generate(prompts, sampling, max_new_tokens):
+            batch = pack_sequences([generation.tokens], [len(generation.prompt_tokens)])
+            with torch.no_grad():
+                logprobs, _ = forward_logprobs(self.model, batch)
+            generation.completion_logprobs = logprobs[batch.completion].tolist()
+            out.append(generation)
+        return out
+
+
+def test_stale_rollouts_recomputed_under_their_own_weights_match_the_engine(tmp_path, cpu_loop):
+    args = parse_rl_args(MODEL + ["--grpo-prompts-per-step", "2", "--grpo-group-size", "2", "--train-iters", "4",
+                                  "--rl-partial-rollouts", "--rl-generation-lag", "2", "--rl-keep-old-weights", "3",
+                                  "--lr", "0.5", "--rl-metrics-jsonl", str(tmp_path / "m.jsonl")])
+    model, logger = TinyDDP(vocab_size=TOK.vocab_size), MetricsLogger(total_steps=4, jsonl_path=args.rl_metrics_jsonl)
+    optimizer = SGD(model)
+    run_rl(ddp=model, optimizer=optimizer, generator=ModelEngine(model), task=build_task("sort", 0), tokenizer=TOK,
+           rollout_config=rollout_config_from_args(args), step_config=step_config_from_args(args),
+           sampling=sampling_from_args(args, TOK.eod), config=loop_config_from_args(args), logger=logger,
+           lr_scheduler=build_lr_scheduler(args, optimizer))
+    logger.close()
+    records = read_step_records(str(tmp_path / "m.jsonl"))
+    assert records[1]["bit_wise/logprob_diff/max"] == 0.0  # fresh: the same weights on both sides
+    for step in (2, 3, 4):
+        record = records[step]
+        assert record["bit_wise_stale/logprob_diff/max"] > 0  # the weights moved since sampling
+        # under the weights that sampled them, every stale token matches again
+        assert record["bit_wise_versioned/tokens"] == record["bit_wise_stale/tokens"] > 0
+        assert record["bit_wise_versioned/logprob_diff/max"] == 0.0
