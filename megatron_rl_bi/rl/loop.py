@@ -7,7 +7,6 @@ ranks by Megatron's DDP. Every step's sampling seed is a function of (seed, step
 resumed from a checkpoint repeats the uninterrupted one.
 """
 
-import collections
 import contextlib
 import dataclasses
 import os
@@ -26,11 +25,12 @@ from megatron_rl_bi.checkpoints.megatron import (
 )
 from megatron_rl_bi.distributed import MetricTerms, all_reduce_metrics
 from megatron_rl_bi.envs import PromptSource
-from megatron_rl_bi.inference import Generation, Generator, Sampling
+from megatron_rl_bi.inference import Generator, Sampling
 from megatron_rl_bi.reporting.metrics import MetricsLogger
 from megatron_rl_bi.rl.evaluate import validation_terms
+from megatron_rl_bi.rl.generation_ahead import GenerationAhead, staleness_terms
 from megatron_rl_bi.rl.old_weights import KeptWeights
-from megatron_rl_bi.rl.rollouts import Rollout, RolloutConfig, collect_rollouts
+from megatron_rl_bi.rl.rollouts import RolloutConfig, collect_rollouts
 from megatron_rl_bi.rl.sft import sft_step
 from megatron_rl_bi.rl.step import StepConfig, train_on_rollouts
 
@@ -156,44 +156,7 @@ def _restore_lr_schedule(lr_scheduler, state: dict, load_dir: str) -> None:
         ) from error
 
 
-class _GenerationAhead:
-    """Rollout batches generated ahead of the step that trains on them (--rl-generation-lag L):
-    L + 1 batches in flight, the oldest trained on, each generated with the weights of its time
-    (recorded per rollout, Rollout.weight_version), from the prompts and with the sampling seed
-    of the step it is for. L = 0 generates each step's batch at its step: the synchronous loop."""
-
-    def __init__(self, lag: int, last_step: int, generate):
-        self.lag, self.last_step, self.generate, self.pending = lag, last_step, generate, collections.deque()
-
-    def take(self, step: int, weight_version: int) -> tuple[list, MetricTerms, float]:
-        """Step `step`'s batch (groups, statistics) and the seconds spent generating now (for it
-        and for the steps after it, up to the run's last)."""
-        started = time.time()
-        while len(self.pending) <= self.lag and step + len(self.pending) <= self.last_step:
-            self.pending.append(self.generate(step + len(self.pending), weight_version))
-        groups, stats = self.pending.popleft()
-        return groups, stats, time.time() - started
-
-    def state_dict(self) -> list[dict]:
-        """The batches generated and not yet trained on, as plain values (for the checkpoint:
-        a resumed run trains on them, neither losing nor regenerating one)."""
-        return [{"groups": [[dataclasses.asdict(r) for r in group] for group in groups],
-                 "stats": dataclasses.asdict(stats)} for groups, stats in self.pending]
-
-    def load_state_dict(self, state: list[dict]) -> None:
-        self.pending = collections.deque(
-            ([[Rollout(**{**r, "generation": Generation(**r["generation"])}) for r in group]
-              for group in batch["groups"]], MetricTerms(**batch["stats"])) for batch in state)
-
-
-def _staleness_terms(rollouts: list, weight_version: int) -> MetricTerms:
-    """Optimizer steps between the weights that sampled each rollout and the weights it trains."""
-    lags = [weight_version - r.weight_version for r in rollouts]
-    return MetricTerms(means={"rollouts/staleness": (sum(lags), len(lags))},
-                       maxima={"rollouts/staleness_max": float(max(lags, default=0))})
-
-
-def _rl_step(ddp, optimizer, ahead: _GenerationAhead, step: int, step_config, weight_version, ref_model,
+def _rl_step(ddp, optimizer, ahead: GenerationAhead, step: int, step_config, weight_version, ref_model,
              lr_scheduler, kept: KeptWeights) -> dict:
     """Take the step's rollouts (generating what is due), update; the step's global metrics with
     its timings (generation: what this step spent generating)."""
@@ -201,7 +164,7 @@ def _rl_step(ddp, optimizer, ahead: _GenerationAhead, step: int, step_config, we
     groups, stats, generation_s = ahead.take(step, weight_version)
     rollouts = [r for group in groups for r in group]
     if ahead.lag:
-        stats.update(_staleness_terms(rollouts, weight_version))
+        stats.update(staleness_terms(rollouts, weight_version))
     metrics = train_on_rollouts(ddp, optimizer, rollouts, step_config, ref_model, lr_scheduler, weight_version,
                                 kept)
     torch.cuda.synchronize()
@@ -300,7 +263,7 @@ def run_rl(
         with generating(optimizer, config.offload_optimizer_during_inference):
             return collect_rollouts(generator, source, tokenizer, step_sampling, rollout_config, version)
 
-    ahead = _GenerationAhead(config.generation_lag, config.steps, generate)
+    ahead = GenerationAhead(config.generation_lag, config.steps, generate)
     with _EarlyStop(config) as early_stop:
         start_step, weight_version = _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, ahead, task,
                                                         tokenizer, config, logger)

@@ -21,6 +21,7 @@ from megatron_rl_bi.inference import Generation
 from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.optimizer import build_ddp_and_optimizer, build_lr_scheduler
 from megatron_rl_bi.rl import loop
+from megatron_rl_bi.rl.generation_ahead import GenerationAhead
 from megatron_rl_bi.rl.rollouts import Rollout
 
 MODEL = ["--num-layers", "1", "--hidden-size", "16", "--ffn-hidden-size", "32",
@@ -109,7 +110,7 @@ def test_resume_restores_weights_optimizer_schedule_position_seed_and_rngs(tmp_p
     get_cuda_rng_tracker().set_states({"model-parallel-rng": torch.arange(16, 32, dtype=torch.uint8)})
     saved = _everything(ddp, optimizer, lr_scheduler, source, cpu_training)
     config = loop_config_from_args(args)
-    ahead = loop._GenerationAhead(2, 10, generate=None)  # a batch generated ahead, not yet trained on
+    ahead = GenerationAhead(2, 10, generate=None)  # a batch generated ahead, not yet trained on
     ahead.load_state_dict([{"groups": [[dataclasses.asdict(ROLLOUT)]], "stats": {"means": {"m": (1.5, 2)}}}])
     loop._save(3, 2, ddp, optimizer, lr_scheduler, source, ahead, config, hf_model=None, exiting=True)
 
@@ -118,7 +119,7 @@ def test_resume_restores_weights_optimizer_schedule_position_seed_and_rngs(tmp_p
     source = PromptSource(task, resume_args.seed)
     resume = loop_config_from_args(resume_args)
     assert _differing(saved, _everything(ddp, optimizer, lr_scheduler, source, cpu_training)) == set(saved)
-    resumed_ahead = loop._GenerationAhead(2, 10, generate=None)
+    resumed_ahead = GenerationAhead(2, 10, generate=None)
     step, weight_version = loop._resume_or_warm_up(ddp, optimizer, lr_scheduler, source, resumed_ahead, task,
                                                    CharTokenizer(), resume, logger=None)
     assert (step, weight_version) == (3, 2)
@@ -142,7 +143,7 @@ def test_a_corrupt_shard_names_the_checkpoint_and_the_way_out(tmp_path, cpu_trai
     source = PromptSource(build_task("sort", args.seed), args.seed)
     config = loop_config_from_args(args)
     for step in (3, 5):
-        loop._save(step, step, ddp, optimizer, lr_scheduler, source, loop._GenerationAhead(0, 10, None), config,
+        loop._save(step, step, ddp, optimizer, lr_scheduler, source, GenerationAhead(0, 10, None), config,
                    hf_model=None, exiting=True)
     shards = sorted((ckpt / "iter_0000005").glob("*.distcp"))
     assert shards
@@ -151,6 +152,6 @@ def test_a_corrupt_shard_names_the_checkpoint_and_the_way_out(tmp_path, cpu_trai
     with pytest.raises(ValueError, match=(
             r"^.*ckpt/iter_0000005: cannot read the model/optimizer checkpoint \(rank 0: .*\); to resume "
             r"from an older checkpoint, write its step \(3\) into .*ckpt/latest_checkpointed_iteration.txt$")):
-        loop._resume_or_warm_up(ddp, optimizer, lr_scheduler, source, loop._GenerationAhead(0, 10, None), source.task,
+        loop._resume_or_warm_up(ddp, optimizer, lr_scheduler, source, GenerationAhead(0, 10, None), source.task,
                                 CharTokenizer(), resume,
                                 logger=None)
