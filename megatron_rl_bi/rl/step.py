@@ -56,9 +56,9 @@ class _Compared:
         self.train.append(logprobs.detach())
         self.engine.append(packed.engine_logprobs)
         self.reported.append(packed.reported)
-        fresh = torch.tensor([self.weight_version in (None, r.weight_version) for r in rollouts],
-                             device=packed.reported.device)
-        self.fresh.append(fresh[packed.batch.sequence_ids])
+        # On the CPU, where terms() compares: a device tensor here would cost a sync per micro-batch.
+        fresh = torch.tensor([self.weight_version in (None, r.weight_version) for r in rollouts])
+        self.fresh.append(fresh.repeat_interleave(torch.tensor([len(r.tokens) for r in rollouts])))
 
     def terms(self) -> MetricTerms:
         if not self.train:
@@ -180,9 +180,10 @@ def train_on_rollouts(
     minibatches = [rollouts[i::num_updates] for i in range(num_updates)]
     counts = _global_counts(minibatches)
     compared = _Compared(weight_version)
-    versioned = _versioned_terms(ddp, rollouts, kept, weight_version, config) if kept else MetricTerms()
     if (counts[:, 0] == 0).all():  # nothing to learn from this step
         return {"update_skipped": 1.0, "optimizer_steps": 0, **all_reduce_metrics(compared.terms())}
+    # before any update: the recompute compares against the weights as they are now
+    versioned = _versioned_terms(ddp, rollouts, kept, weight_version, config) if kept is not None else MetricTerms()
     ddp.train()
     old = None
     if num_updates > 1:
