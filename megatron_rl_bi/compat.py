@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import importlib.util
 import re
+import sys
 
 import torch
 
@@ -135,6 +136,24 @@ def final_hidden_states(language_model):
         yield
     finally:
         language_model.post_process = saved
+
+
+def bm25s_without_jax():
+    """bm25s imported with JAX hidden. bm25s 0.2-0.3's selection module runs a JAX op at import
+    when JAX is installed, and JAX's first op takes 75 % of the GPU's memory for its own pool
+    (seen on the H200: 105 GiB gone before the trainer built its optimizer). Without JAX bm25s
+    uses its numpy top-k, which is what a corpus this size needs. Remove when bm25s imports JAX
+    lazily."""
+    if "bm25s" in sys.modules:
+        return sys.modules["bm25s"]
+    saved = {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] == "jax"}
+    sys.modules["jax"] = None  # makes `import jax...` raise ImportError
+    try:
+        import bm25s
+    finally:
+        del sys.modules["jax"]
+        sys.modules.update(saved)
+    return bm25s
 
 
 def fla_chunk_backward_works() -> bool:

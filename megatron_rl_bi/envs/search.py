@@ -8,8 +8,7 @@ The corpus is `--rl-search-corpus FILE` (JSONL, one passage a line: "contents" o
 without it, the task's own corpus (the built-in `--rl-task lookup`).
 """
 
-import bm25s
-
+from megatron_rl_bi import compat
 from megatron_rl_bi.envs.verifiers import verify_exact_match
 from megatron_rl_bi.jsonfile import parse_object
 
@@ -35,12 +34,13 @@ class Retriever:
 
     def __init__(self, passages: list[str]):
         self.passages = passages
-        self.index = bm25s.BM25()
-        self.index.index(bm25s.tokenize(passages, stopwords="en", show_progress=False), show_progress=False)
+        self.bm25s = compat.bm25s_without_jax()
+        self.index = self.bm25s.BM25()
+        self.index.index(self.bm25s.tokenize(passages, stopwords="en", show_progress=False), show_progress=False)
 
     def search(self, query: str, k: int) -> list[str]:
         """The `k` best passages for `query`, best first (fewer when the corpus is smaller)."""
-        tokens = bm25s.tokenize([query], stopwords="en", show_progress=False)
+        tokens = self.bm25s.tokenize([query], stopwords="en", show_progress=False)
         if not tokens.vocab:  # only stop words, or nothing: nothing to match
             return []
         ids, _ = self.index.retrieve(tokens, k=min(k, len(self.passages)), show_progress=False)

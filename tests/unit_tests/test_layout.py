@@ -23,7 +23,7 @@ ALLOWED = {
     "models": {"bi", "compat", "attention", "packing", "memory"},
     "inference": {"bi", "compat"},
     "parity": {"distributed", "packing", "models", "inference"},
-    "envs": {"jsonfile"},
+    "envs": {"jsonfile", "compat"},
     "reporting": {"jsonfile"},
     "optimizer": set(),
     "memory": set(),

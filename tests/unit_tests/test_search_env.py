@@ -4,6 +4,9 @@ normalization, the tags of a conversation, and a scripted engine that follows th
 demonstration earning its reward through the real conversation loop."""
 
 import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +21,7 @@ from megatron_rl_bi.envs.tokenizer import CharTokenizer
 from megatron_rl_bi.inference import Generation, Sampling
 from megatron_rl_bi.rl.conversations import TurnConfig, run_conversations
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = ["The Eiffel Tower is in Paris.", "Mount Fuji is the highest mountain in Japan.",
           "Paris is the capital of France.", "The Nile flows through Egypt."]
 
@@ -129,3 +133,16 @@ def test_qa_lines_as_published_become_questions_with_every_golden_answer(tmp_pat
     bad.write_text(json.dumps({"question": "q", "golden_answers": []}) + "\n")
     with pytest.raises(ValueError, match=f"{bad}:1: field 'golden_answers' .* must be a non-empty"):
         JsonlTask(str(bad))
+
+
+def test_bm25s_is_imported_without_jax(tmp_path):
+    """A JAX that bm25s would import takes 75 % of the GPU at its first op: it must stay unimported."""
+    (tmp_path / "jax").mkdir()
+    (tmp_path / "jax" / "__init__.py").write_text("raise RuntimeError('jax was imported')\n")
+    (tmp_path / "jax" / "lax.py").write_text("")
+    code = ("import sys; from megatron_rl_bi import compat; bm25s = compat.bm25s_without_jax(); "
+            "from bm25s import selection; assert not selection.JAX_IS_AVAILABLE; "
+            "assert 'jax' not in sys.modules; print('ok')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), REPO, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]
