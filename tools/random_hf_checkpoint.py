@@ -5,6 +5,8 @@ import.
 
   python tools/random_hf_checkpoint.py qwen3-0.6b runs/qwen3_0p6b_config
   -> runs/qwen3_0p6b_config/hf/ (config.json, model.safetensors, tokenizer) and math.jsonl
+  python tools/random_hf_checkpoint.py qwen3.5-9b runs/qwen35_9b_8l --num-hidden-layers 8
+  -> Qwen3.5-9B's widths at 8 layers (6 GDN, 2 attention)
 """
 
 import argparse
@@ -105,6 +107,15 @@ def save_prompts(path: str, count: int, seed: int) -> None:
             f.write(json.dumps({"prompt": f"what is {a} + {b} ? answer boxed", "answer": str(a + b)}) + "\n")
 
 
+def _depth(layers: int, preset: dict) -> int:
+    """--num-hidden-layers, checked: a hybrid's depth keeps whole groups of three GDN layers and
+    one attention layer."""
+    group = 4 if preset["model_type"] == "qwen3_5_text" else 1
+    if layers < group or layers % group:
+        raise SystemExit(f"--num-hidden-layers {layers}: {preset['model_type']} needs a positive multiple of {group}")
+    return layers
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("preset", choices=sorted(PRESETS))
@@ -113,12 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config-only", action="store_true",
                         help="write config.json and the tokenizer, no weights (enough for "
                         "tools/memory_plan.py)")
+    parser.add_argument("--num-hidden-layers", type=int, default=None, metavar="N",
+                        help="the preset's widths with N layers instead of its own depth (Qwen3.5: "
+                        "a multiple of 4, every fourth layer full attention as published): a "
+                        "model of the published widths that fits where the full depth does not")
     return parser
 
 
 def main() -> None:
     args = build_parser().parse_args()
     preset = PRESETS[args.preset]
+    if args.num_hidden_layers is not None:
+        preset = {**preset, "num_hidden_layers": _depth(args.num_hidden_layers, preset)}
     hf = os.path.join(args.out, "hf")
     eos_id = save_tokenizer(hf, preset["vocab_size"])
     if args.config_only:
