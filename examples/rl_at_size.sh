@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# A reference recipe at its real size (8 prompts x 16 samples, 8,192-token cap) on random weights
+# of the published configuration, one GPU: the recipe as a user runs it, with the sizing reward
+# (random weights answer every prompt wrong, and DAPO's dynamic sampling would drop every group)
+# and the memory plan of the same flags written beside the run's step records.
+# Usage: bash examples/rl_at_size.sh qwen3-4b|qwen3.5-9b [STEPS] [LAYERS] [extra flags]
+#   LAYERS: the preset's widths at fewer layers (tools/random_hf_checkpoint.py --num-hidden-layers)
+# Writes runs/PRESET[_LAYERSl]_8k/: hf/, memory_plan.json, metrics.jsonl, run.log.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+preset=$1; steps=${2:-3}; layers=${3:-}; shift $(( $# < 3 ? $# : 3 ))
+case "$preset" in
+  qwen3.5-*) recipe=examples/recipes/qwen35_math_dapo.yaml ;;
+  qwen3-*) recipe=examples/recipes/qwen3_math_dapo.yaml ;;
+  *) echo "rl_at_size.sh: unknown preset $preset (qwen3-4b, qwen3.5-9b, ...)" >&2; exit 2 ;;
+esac
+run=runs/${preset}${layers:+_${layers}l}_8k
+python tools/random_hf_checkpoint.py "$preset" "$run" ${layers:+--num-hidden-layers "$layers"}
+flags=(--recipe "$recipe" --hf-checkpoint "$run/hf" --rl-dataset "$run/math.jsonl"
+       --batch-invariant-mode --flash-attention-version 4
+       --rl-reward-fn examples/reward_fns/number_share.py:number_share
+       --train-iters "$steps" --save-interval 0 --save-hf-interval 0 "$@")
+python tools/memory_plan.py --plan-gpus 1 --plan-output "$run/memory_plan.json" "${flags[@]}"
+rm -f "$run/metrics.jsonl"
+torchrun --nproc-per-node 1 pretrain_rl.py "${flags[@]}" --rl-metrics-jsonl "$run/metrics.jsonl" 2>&1 \
+  | tee "$run/run.log"
