@@ -1,7 +1,8 @@
 """The built-in code environment (`--rl-env code`): the model may run Python before it answers.
 `<code>...</code>` runs in a sandbox and its output comes back as `<output>...</output>`;
 `<answer>...</answer>` ends the conversation, scored by the task's own verifier (countdown's, the
-math verifier of a JSONL task, ...).
+math verifier of a JSONL task, ...); a turn with neither is told so and the conversation goes on
+(envs.actions).
 
 The sandbox is a fresh Python process (`-I`: no user site, no environment variables) in a fresh
 temporary directory, with CPU time, memory, file size and open-file limits, killed at its wall
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 
+from megatron_rl_bi.envs.actions import no_action_observation
 from megatron_rl_bi.envs.verifiers import tagged_answer
 
 OUTPUT_CHARACTERS = 8192  # what a program's output may bring back, before the token limit
@@ -83,6 +85,9 @@ def run_python(program: str, seconds: float, memory_mb: int) -> str:
     return output + (f"\n(killed by signal {-done.returncode}: a limit)" if done.returncode < 0 else "")
 
 
+ACTIONS = ("<code>program</code>", "<answer>answer</answer>")
+
+
 class CodeEnvironment:
     """One sample's conversation; the limits come from `code_environment`."""
 
@@ -99,7 +104,9 @@ class CodeEnvironment:
             program = text.rsplit("<code>", 1)[-1].removesuffix("</code>")
             return f"\n<output>{run_python(program, self.seconds, self.memory_mb)}</output>\n", 0.0, False
         answer = tagged_answer(text)
-        return "", 0.0 if answer is None else float(self.example.verify(answer)), True
+        if answer is None:
+            return no_action_observation(ACTIONS), 0.0, False
+        return "", float(self.example.verify(answer)), True
 
 
 def code_environment(seconds: float, memory_mb: int) -> type:

@@ -2,13 +2,14 @@
 local corpus; the model searches with `<search>query</search>`, reads
 `<information>top-k passages</information>`, and answers with `<answer>...</answer>`, scored by
 exact match after Search-R1's normalization (verifiers.verify_exact_match) against the example's
-accepted answers.
+accepted answers; a turn with neither is told so and the conversation goes on (envs.actions).
 
 The corpus is `--rl-search-corpus FILE` (JSONL, one passage a line: "contents" or "text"), or,
 without it, the task's own corpus (the built-in `--rl-task lookup`).
 """
 
 from megatron_rl_bi import compat
+from megatron_rl_bi.envs.actions import no_action_observation
 from megatron_rl_bi.envs.verifiers import verify_exact_match
 from megatron_rl_bi.jsonfile import parse_object
 
@@ -47,6 +48,9 @@ class Retriever:
         return [self.passages[i] for i in ids[0]]
 
 
+ACTIONS = ("<search>query</search>", "<answer>answer</answer>")
+
+
 class SearchEnvironment:
     """One sample's conversation; the class attributes come from `search_environment`."""
 
@@ -63,8 +67,9 @@ class SearchEnvironment:
         if text.endswith("</search>"):
             query = text.rsplit("<search>", 1)[-1].removesuffix("</search>").strip()
             return information(self.retriever.search(query, self.top_k)), 0.0, False
-        answered = "<answer>" in text and "</answer>" in text
-        return "", verify_exact_match(text, self.answers) if answered else 0.0, True
+        if "<answer>" in text and "</answer>" in text:
+            return "", verify_exact_match(text, self.answers), True
+        return no_action_observation(ACTIONS), 0.0, False
 
 
 def information(passages: list[str]) -> str:

@@ -89,3 +89,11 @@ def numbers_of(example):
 def test_code_environment_limits_are_its_class_attributes():
     environment = code_environment(2.5, 300)
     assert (environment.seconds, environment.memory_mb, environment.stop_strings) == (2.5, 300, ("</code>", "</answer>"))
+
+
+def test_a_turn_without_code_or_answer_is_told_so_and_the_conversation_goes_on():
+    environment = code_environment(2.5, 300)()
+    environment.reset(build_task("countdown", seed=0).example(0))
+    assert environment.step("I think the answer is 7") == (
+        "\nThe last turn took no action. Write one of: <code>program</code> or <answer>answer</answer>.\n",
+        0.0, False)

@@ -57,7 +57,9 @@ def test_a_search_conversation_searches_then_answers():
     assert (reward, done) == (0.0, False)
     assert env.step("<answer>the paris</answer>")[1:] == (1.0, True)
     assert env.step("<answer>Lyon</answer>")[1:] == (0.0, True)
-    assert env.step("no tags at all")[1:] == (0.0, True)
+    assert env.step("no tags at all") == (
+        "\nThe last turn took no action. Write one of: <search>query</search> or <answer>answer</answer>.\n",
+        0.0, False)  # told so; the conversation goes on
 
 
 class FollowsTheDemonstration:
