@@ -70,9 +70,11 @@ class CountdownTask:
 class LookupTask:
     """'find b4x\n' -> the value of key b4x, which only the task's corpus holds ('b4x is 317'): the
     model must search for the key (--rl-env search) and copy the value it reads. Keys mix letters
-    and a digit (never an English stop word the retriever drops); `corpus_size` keys, seeded."""
+    and a digit (never an English stop word the retriever drops); `corpus_size` keys, seeded:
+    thousands, so a tiny model cannot learn the values by heart in a warm-up (with 64 it did, and
+    then needed no search)."""
 
-    def __init__(self, seed: int, corpus_size: int = 64):
+    def __init__(self, seed: int, corpus_size: int = 4096):
         rng = random.Random(f"lookup-{seed}")
         keys = set()
         while len(keys) < corpus_size:

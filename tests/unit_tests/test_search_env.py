@@ -86,7 +86,7 @@ class FollowsTheDemonstration:
 
 def test_the_lookup_task_is_solved_by_searching_as_its_demonstration_does():
     task, tok = LookupTask(seed=3), CharTokenizer()
-    assert len(task.corpus) == 64 and all(" is " in p for p in task.corpus)
+    assert len(task.corpus) == 4096 and all(" is " in p for p in task.corpus)
     examples = [task.example(i) for i in range(6)]
     environment = build_environment("search", task, search_top_k=1)
     generations, scores, counts = run_conversations(FollowsTheDemonstration(task, tok), examples, environment, tok,
