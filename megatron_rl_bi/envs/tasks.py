@@ -10,6 +10,7 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from megatron_rl_bi.envs.search import information
 from megatron_rl_bi.envs.verifiers import verify_countdown, verify_exact_match, verify_math, verify_sort
 from megatron_rl_bi.jsonfile import parse_object
 
@@ -21,9 +22,10 @@ class Example:
     """A reference completion (the SFT warm-up target), not necessarily the only right one."""
     verify: Callable[[str], float] | None
     """completion text -> reward (None: an environment scores it, --rl-env)."""
-    demonstration: str | None = None
-    """The SFT warm-up target when it is more than `answer`: a multi-turn task's whole
-    transcript (its tool calls and their results), `answer` being what is compared."""
+    demonstration: tuple[str, ...] | None = None
+    """The SFT warm-up target when it is more than `answer`: a multi-turn task's conversation,
+    the model's turns and the environment's answers alternating (the model's first); the warm-up
+    learns the model's turns only, as RL does."""
     accepted: tuple[str, ...] = ()
     """Every answer that scores (a QA line's golden answers); empty: `answer` alone."""
 
@@ -91,8 +93,7 @@ class LookupTask:
             prompt=f"find {key}\n",
             answer=value,
             verify=None,
-            demonstration=(f"<search>{key}</search>\n<information>Doc 1: {key} is {value}</information>\n"
-                           f"<answer>{value}</answer>"),
+            demonstration=(f"<search>{key}</search>", information([f"{key} is {value}"]), f"<answer>{value}</answer>"),
         )
 
 

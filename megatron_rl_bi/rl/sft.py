@@ -1,23 +1,37 @@
 """Supervised warm-up on a task's reference answers (or demonstrations: a multi-turn task's whole
 transcript), so a tiny model starts RL with signal.
 
-Loss: mean negative log-likelihood of the answer tokens (and end-of-document), normalized by the
-global answer-token count; same packing and forward as the RL step.
+Loss: mean negative log-likelihood of the tokens the model writes (the answer, or a
+demonstration's turns, and end-of-document), normalized by their global count; an environment's
+answers in a demonstration are context, as in RL. Each piece is encoded on its own, as a
+conversation's turns and observations are. Same packing and forward as the RL step.
 """
 
 import torch
 
 from megatron_rl_bi.distributed import MetricTerms, all_reduce_metrics
 from megatron_rl_bi.envs import Example
+from megatron_rl_bi.inference import Generation
 from megatron_rl_bi.models.logprobs import forward_logprobs
-from megatron_rl_bi.packing import pack_sequences
+from megatron_rl_bi.packing import pack_completions
+
+
+def demonstration(example: Example, tokenizer) -> Generation:
+    """The example's target as a conversation would hold it: the model's pieces sampled, the
+    environment's not."""
+    tokens, sampled = [], []
+    for turn, text in enumerate(example.demonstration or (example.answer,)):
+        ids = tokenizer.encode(text)
+        tokens += ids
+        sampled += [turn % 2 == 0] * len(ids)
+    tokens, sampled = tokens + [tokenizer.eod], sampled + [True]
+    return Generation(prompt_tokens=tokenizer.encode_prompt(example.prompt), completion_tokens=tokens,
+                      completion_logprobs=[0.0] * len(tokens), completion_sampled=sampled)
 
 
 def sft_step(ddp, optimizer, examples: list[Example], tokenizer) -> float:
     """One optimizer step on `examples` (one packed micro-batch); returns the global mean NLL."""
-    prompts = [tokenizer.encode_prompt(e.prompt) for e in examples]
-    answers = [tokenizer.encode(e.demonstration or e.answer) + [tokenizer.eod] for e in examples]
-    batch = pack_sequences([p + a for p, a in zip(prompts, answers)], [len(p) for p in prompts])
+    batch = pack_completions([demonstration(e, tokenizer) for e in examples]).batch
     batch = batch.to(torch.cuda.current_device())
     answer_mask = batch.completion
     tokens = torch.tensor([float(answer_mask.sum())], device=answer_mask.device)

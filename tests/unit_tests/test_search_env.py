@@ -94,7 +94,7 @@ def test_the_lookup_task_is_solved_by_searching_as_its_demonstration_does():
     assert scores == [(1.0, None)] * 6 and counts["turns"] == 12
     # the conversation is the demonstration (the SFT warm-up's target), token for token
     for example, generation in zip(examples, generations):
-        assert tok.decode(generation.completion_tokens) == example.demonstration
+        assert tok.decode(generation.completion_tokens) == "".join(example.demonstration)
 
 
 COMMON = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "48", "--num-attention-heads", "4",
