@@ -33,6 +33,7 @@ from megatron_rl_bi.envs import build_task
 from megatron_rl_bi.envs.reward_fn import RewardFnTask, load_reward_fn, with_reward_fn
 from megatron_rl_bi.envs.tasks import JsonlTask
 from megatron_rl_bi.envs.tokenizer import build_tokenizer
+from megatron_rl_bi.envs.tool_format import build_tool_format
 from megatron_rl_bi.inference import EngineConfig, Generator
 from megatron_rl_bi.launch import launch_check
 from megatron_rl_bi.memory import (
@@ -174,8 +175,11 @@ def read_inputs(argv: list[str] | None) -> RunInputs:
     hf_model = read_hf_model(args.hf_checkpoint) if args.hf_checkpoint else None
     vocab_size = model_vocab_size(args, tokenizer)
     check_kv_cache(args, engine_config, vocab_size)
-    return RunInputs(args, tokenizer, vocab_size, engine_config, rollout_config_from_args(args, task), task,
-                     eval_examples, hf_model, kernel_problem)
+    rollout_config = rollout_config_from_args(args, task)
+    if rollout_config.environment:
+        build_tool_format(args.rl_tool_format, tokenizer, rollout_config.environment)
+    return RunInputs(args, tokenizer, vocab_size, engine_config, rollout_config, task, eval_examples, hf_model,
+                     kernel_problem)
 
 
 def check_kv_cache(args: argparse.Namespace, config: EngineConfig, vocab_size: int) -> None:

@@ -51,7 +51,8 @@ def rollout_config_from_args(args: argparse.Namespace, task=None) -> RolloutConf
                                        args.rl_code_time_limit, args.rl_code_memory_mb)
                      if args.rl_env else None),
         turns=TurnConfig(max_turns=args.rl_max_turns, max_context_tokens=args.rl_max_context_tokens,
-                         observation_tokens=args.rl_tool_output_tokens, env_timeout_s=args.rl_env_timeout),
+                         observation_tokens=args.rl_tool_output_tokens, env_timeout_s=args.rl_env_timeout,
+                         tool_format=args.rl_tool_format),
     )
 
 

@@ -122,6 +122,11 @@ def add_multi_turn_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        "(default: --inference-max-seq-length)")
     group.add_argument("--rl-tool-output-tokens", type=int, default=512,
                        help="tokens of one environment answer at most; the rest is cut")
+    group.add_argument("--rl-tool-format", choices=("tags", "chat"), default="tags",
+                       help="how tool calls and answers are written: 'tags', the environment's own "
+                       "(<search>query</search>, its answer as text in the same turn; Search-R1's), "
+                       "or 'chat', the chat template's tool calling (Qwen's <tool_call>, the answer "
+                       "in a tool message), for checkpoints trained on it")
     group.add_argument("--rl-env-timeout", type=float, default=30.0,
                        help="seconds one environment call may take; a call that takes longer, or "
                        "raises, scores its sample 0 and is counted")
@@ -361,6 +366,8 @@ def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
         errors.append(f"--rl-generation-lag must be >= 0, got {args.rl_generation_lag}")
     if args.rl_generation_lag and not args.rl_partial_rollouts:
         errors.append("--rl-generation-lag needs --rl-partial-rollouts (megatron-core's rule)")
+    if args.rl_tool_format == "chat" and not args.rl_env:
+        errors.append("--rl-tool-format chat writes an environment's tool calls: it needs --rl-env")
     if args.rl_search_corpus and args.rl_env != "search":
         errors.append("--rl-search-corpus is read by --rl-env search only")
     if not 0 < args.rl_code_time_limit < args.rl_env_timeout:

@@ -86,6 +86,11 @@ def run_python(program: str, seconds: float, memory_mb: int) -> str:
 
 
 ACTIONS = ("<code>program</code>", "<answer>answer</answer>")
+# Running a program as a function schema, for --rl-tool-format chat (envs.tool_format).
+CODE_TOOL = {"type": "function", "function": {
+    "name": "code", "description": "Run a Python program; its output (stdout, then stderr) comes back.",
+    "parameters": {"type": "object", "required": ["program"],
+                   "properties": {"program": {"type": "string", "description": "the program's source"}}}}}
 
 
 class CodeEnvironment:
@@ -94,6 +99,7 @@ class CodeEnvironment:
     seconds = 5.0
     memory_mb = 1024
     stop_strings = ("</code>", "</answer>")
+    tools = (CODE_TOOL,)
 
     def reset(self, example) -> str:
         self.example = example

@@ -5,6 +5,8 @@ built once per sample, with
     step(text) -> (str, float, bool)            after each sampled turn: the next observation, a
                                                 reward, and whether the conversation is over
     stop_strings: tuple[str, ...]               text that ends a sampled turn (e.g. "</search>")
+    tools: tuple[dict, ...]                     optional: function schemas of its tags, for
+                                                --rl-tool-format chat (envs.tool_format)
 
 Each call (the constructor and reset together, then each step) runs on a thread of its own with
 a time limit (--rl-env-timeout): a call that raises or runs out of time ends its sample with

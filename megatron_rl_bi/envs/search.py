@@ -49,6 +49,11 @@ class Retriever:
 
 
 ACTIONS = ("<search>query</search>", "<answer>answer</answer>")
+# The search as a function schema, for --rl-tool-format chat (envs.tool_format).
+SEARCH_TOOL = {"type": "function", "function": {
+    "name": "search", "description": "Search the corpus; the best passages come back.",
+    "parameters": {"type": "object", "required": ["query"],
+                   "properties": {"query": {"type": "string", "description": "what to look up"}}}}}
 
 
 class SearchEnvironment:
@@ -57,6 +62,7 @@ class SearchEnvironment:
     retriever = None
     top_k = 3
     stop_strings = ("</search>", "</answer>")
+    tools = (SEARCH_TOOL,)
 
     def reset(self, example) -> str:
         """The example's prompt as it is: a dataset's prompts carry their instructions."""

@@ -65,13 +65,16 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str, tools: tuple[dict, ...] | None = None) -> list[int]:
+        """`tools` (function schemas) are declared the template's way (--rl-tool-format chat)."""
         if not self.uses_chat_template:
             return self.encode(text)
-        return list(self._tok.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-            return_dict=False,
-        ))
+        return self.encode(self.render_chat([{"role": "user", "content": text}], tools))
+
+    def render_chat(self, messages: list[dict], tools: tuple[dict, ...] | None = None) -> str:
+        """The chat template's text for `messages`, with the assistant's next turn opened."""
+        return self._tok.apply_chat_template(messages, tools=list(tools) if tools else None,
+                                             add_generation_prompt=True, tokenize=False)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from megatron_rl_bi.envs.environment import call_all
+from megatron_rl_bi.envs.tool_format import TagTurns, build_tool_format
 from megatron_rl_bi.inference import Generation, Generator, Sampling
 
 
@@ -31,6 +32,9 @@ class TurnConfig:
     """An environment answer's tokens at most; the rest is cut (--rl-tool-output-tokens)."""
     env_timeout_s: float = 30.0
     """Seconds each environment call may take (--rl-env-timeout)."""
+    tool_format: str = "tags"
+    """How tool calls and answers are written: the environment's tags, or the chat template's
+    tool calling (--rl-tool-format; envs.tool_format)."""
 
 
 @dataclass
@@ -91,22 +95,24 @@ def run_conversations(generator: Generator, examples: list, environment: type, t
     TIMED_OUT when it failed), and the counts of what happened (turns and the most of one
     conversation, environment problems and seconds, conversations cut by the turn or context
     limit)."""
+    turn_format = build_tool_format(config.tool_format, tokenizer, environment)
     # A sample whose environment fails to open keeps the example's prompt and samples nothing.
-    conversations = [Conversation(None, tokenizer.encode_prompt(e.prompt)) for e in examples]
+    conversations = [Conversation(None, turn_format.prompt(e.prompt)) for e in examples]
     context = min(config.max_context_tokens or generator.config.max_sequence_length,
                   generator.config.max_prompt_tokens)
-    opened = call_all([functools.partial(_open, environment, e, tokenizer) for e in examples], config.env_timeout_s)
+    opened = call_all([functools.partial(_open, environment, e, turn_format) for e in examples],
+                      config.env_timeout_s)
     for conversation, outcome in zip(conversations, opened):
         if outcome.problem:
             conversation.end(outcome.problem)
         else:
             conversation.environment, conversation.prompt_tokens = outcome.value
-    counts, stop_strings = Counter(), tuple(environment.stop_strings)
+    counts = Counter()
     for _ in range(config.max_turns):
         open_ = [c for c in conversations if not c.over and len(c.prompt_tokens) + len(c.tokens) < context]
         if not open_:
             break
-        _turn(generator, open_, tokenizer, sampling, config, context, stop_strings, counts)
+        _turn(generator, open_, tokenizer, turn_format, sampling, config, context, counts)
     counts.update(c.problem for c in conversations if c.problem)
     counts.update(turns=sum(c.turns for c in conversations),
                   truncated=sum(not c.over for c in conversations))
@@ -115,22 +121,22 @@ def run_conversations(generator: Generator, examples: list, environment: type, t
     return generations, [(c.reward, c.problem) for c in conversations], counts
 
 
-def _turn(generator: Generator, conversations: list[Conversation], tokenizer, sampling: Sampling,
-          config: TurnConfig, context: int, stop_strings: tuple[str, ...], counts: Counter) -> None:
+def _turn(generator: Generator, conversations: list[Conversation], tokenizer, turn_format: TagTurns,
+          sampling: Sampling, config: TurnConfig, context: int, counts: Counter) -> None:
     """One sampled turn of each conversation, then the environment's answers (their wall time
     added to counts["env_seconds"])."""
     requests = [c.prompt_tokens + c.tokens for c in conversations]
     budgets = [min(sampling.max_new_tokens, context - len(r)) for r in requests]
     texts = []
     for conversation, generation in zip(conversations, generator.generate(requests, sampling, budgets)):
-        kept = tokens_through_stop(generation.completion_tokens, tokenizer, stop_strings)
+        kept = tokens_through_stop(generation.completion_tokens, tokenizer, turn_format.stop_strings)
         conversation.add(generation.completion_tokens[:kept], generation.completion_logprobs[:kept])
         conversation.turns += 1
         conversation.stopped_on_eod = generation.stopped_on_eod and kept == len(generation.completion_tokens)
         turn = generation.completion_tokens[:kept]
         texts.append(tokenizer.decode(turn[:-1] if conversation.stopped_on_eod else turn))
     started = time.monotonic()
-    answers = call_all([functools.partial(_step, c.environment, text, tokenizer, config.observation_tokens)
+    answers = call_all([functools.partial(_step, c.environment, text, turn_format, config.observation_tokens)
                         for c, text in zip(conversations, texts)], config.env_timeout_s)
     counts["env_seconds"] += time.monotonic() - started
     for conversation, outcome in zip(conversations, answers):
@@ -145,22 +151,22 @@ def _turn(generator: Generator, conversations: list[Conversation], tokenizer, sa
             conversation.add(observation, None)
 
 
-def _open(environment_class: type, example, tokenizer) -> tuple[object, list[int]]:
+def _open(environment_class: type, example, turn_format: TagTurns) -> tuple[object, list[int]]:
     """A sample's environment, built, and its first observation as the prompt's tokens (through
     the chat template), on the call's own thread: a constructor that raises fails that sample."""
     environment = environment_class()
     observation = environment.reset(example)
     if not isinstance(observation, str):
         raise TypeError(f"reset returned {type(observation).__name__}, not the first observation's text")
-    return environment, tokenizer.encode_prompt(observation)
+    return environment, turn_format.prompt(observation)
 
 
-def _step(environment, text: str, tokenizer, max_tokens: int) -> tuple[list[int], float, bool]:
-    """The environment's answer to a turn as (at most `max_tokens`) tokens, its reward and
-    whether it is over; checked and encoded on the call's own thread, so a malformed answer, or
-    one the tokenizer cannot encode, fails that sample only."""
-    observation, reward, done = environment.step(text)
+def _step(environment, text: str, turn_format: TagTurns, max_tokens: int) -> tuple[list[int], float, bool]:
+    """The environment's answer to a turn as tokens (at most `max_tokens` of its text), its
+    reward and whether it is over; checked and encoded on the call's own thread, so a malformed
+    answer, or one the tokenizer cannot encode, fails that sample only."""
+    observation, reward, done = environment.step(turn_format.action(text))
     reward = float(reward)
     if not isinstance(observation, str) or not math.isfinite(reward):
         raise ValueError(f"step returned ({observation!r:.40}, {reward}, {done}): expected (text, finite reward, done)")
-    return tokenizer.encode(observation)[:max_tokens], reward, bool(done)
+    return turn_format.observation(observation, max_tokens), reward, bool(done)

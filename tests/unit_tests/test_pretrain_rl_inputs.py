@@ -46,6 +46,14 @@ def test_bad_flags_end_the_run_with_their_list(pretrain_rl, tmp_path):
         pretrain_rl.main(TINY + ["--eval-interval", "-1", "--rl-eval-dataset", str(tmp_path)])
 
 
+def test_a_tool_format_the_tokenizer_cannot_write_is_refused_before_the_gpu(pretrain_rl):
+    lookup = ["--recipe", os.path.join(REPO, "examples", "recipes", "tiny_lookup.yaml"),
+              "--flash-attention-version", "4", "--rl-tool-format", "chat"]
+    with pytest.raises(SystemExit, match=r"^pretrain_rl.py: error: --rl-tool-format chat needs a tokenizer "
+                                         r"with a chat template"):
+        pretrain_rl.main(lookup)
+
+
 ARGUMENT_DUMP = "------------------------ arguments ------------------------"
 
 

@@ -107,6 +107,7 @@ COMMON = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "48",
     (["--rl-search-corpus", "README.md"], "--rl-search-corpus is read by --rl-env search only"),
     (["--rl-env", "search", "--rl-search-corpus", "no_such.jsonl"], "--rl-search-corpus no_such.jsonl: no such file"),
     (["--rl-env", "search", "--rl-env-timeout", "0"], "--rl-env-timeout must be > 0"),
+    (["--rl-tool-format", "chat"], "--rl-tool-format chat writes an environment's tool calls: it needs --rl-env"),
 ])
 def test_search_flags_that_cannot_work_are_refused(flags, message):
     with pytest.raises(ValueError, match=message):
