@@ -28,6 +28,7 @@ from megatron_rl_bi.config.from_args import (
     sampling_from_args,
     step_config_from_args,
 )
+from megatron_rl_bi.bridge import Bridge, Roles, bridge_address, join_world, roles_from_environment
 from megatron_rl_bi.distributed import initialize_distributed
 from megatron_rl_bi.envs import build_task
 from megatron_rl_bi.envs.reward_fn import RewardFnTask, load_reward_fn, with_reward_fn
@@ -49,6 +50,7 @@ from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.optimizer import build_ddp_and_optimizer, build_lr_scheduler
 from megatron_rl_bi.reporting.metrics import MetricsLogger
 from megatron_rl_bi.reporting.provenance import provenance
+from megatron_rl_bi.rl.generator_apart import rank_batches, serve_generation
 from megatron_rl_bi.rl.loop import generating, run_rl
 
 
@@ -76,16 +78,19 @@ def build_logger(args: argparse.Namespace, memory_plan: dict) -> MetricsLogger |
     )
 
 
-def size_kv_cache(args: argparse.Namespace, config: EngineConfig, vocab_size: int) -> EngineConfig:
+def size_kv_cache(args: argparse.Namespace, config: EngineConfig, vocab_size: int,
+                  generator: bool = False) -> EngineConfig:
     """The engine's config with --rl-kv-cache-memory-fraction of the memory free while it generates
     as its cache: free now (the trainer's state placed), less the optimizer state still to come
     before it generates, plus what leaves the GPU then (--rl-offload-optimizer-during-inference);
-    unchanged without the flag. A cache too small for one request is an error naming the flags."""
+    unchanged without the flag. A cache too small for one request is an error naming the flags.
+    A `generator` rank apart holds no optimizer: what is free now is what it has."""
     levers = levers_from_args(args)
     if levers.kv_cache_fraction is None:
         return config
-    run = memory_run_from_args(args, vocab_size, torch.distributed.get_world_size(), 0)
-    growth = optimizer_growth_before_generation(parameter_count(run.model), run.model, levers, run.data_parallel)
+    run = memory_run_from_args(args, vocab_size, torch.distributed.get_world_size(), 0, generator)
+    growth = 0 if generator else optimizer_growth_before_generation(parameter_count(run.model), run.model, levers,
+                                                                     run.data_parallel)
     cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # torch's, free to reuse
     free = torch.cuda.mem_get_info()[0] + cached - growth
     sized = dataclasses.replace(config, buffer_size_gb=kv_cache_bytes(free, levers, run.engine) / GIB)
@@ -97,10 +102,11 @@ def size_kv_cache(args: argparse.Namespace, config: EngineConfig, vocab_size: in
     return sized
 
 
-def memory_plan(args: argparse.Namespace, vocab_size: int) -> dict:
-    """The plan of this run on this GPU, printed by rank 0; its summary for the run header."""
+def memory_plan(args: argparse.Namespace, vocab_size: int, generator: bool = False) -> dict:
+    """The plan of this process on this GPU (a trainer's, or a `generator`'s), printed by rank 0
+    of its world; its summary for the run header."""
     run = memory_run_from_args(args, vocab_size, torch.distributed.get_world_size(),
-                               torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+                               torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory, generator)
     plan = plan_memory(run, levers_from_args(args))
     if torch.distributed.get_rank() == 0:
         print("memory plan (tools/memory_plan.py):\n" + format_plan(plan), flush=True)
@@ -137,6 +143,7 @@ class RunInputs:
     task: object
     eval_examples: list | None
     hf_model: HFModel | None
+    roles: Roles
     kernel_problem: str | None = None
     """With --launch-check: why this node could not run the kernels (the check goes on)."""
 
@@ -178,8 +185,9 @@ def read_inputs(argv: list[str] | None) -> RunInputs:
     rollout_config = rollout_config_from_args(args, task)
     if rollout_config.environment:
         build_tool_format(args.rl_tool_format, tokenizer, rollout_config.environment)
+    roles = roles_from_environment(args.rl_generator_ranks)
     return RunInputs(args, tokenizer, vocab_size, engine_config, rollout_config, task, eval_examples, hf_model,
-                     kernel_problem)
+                     roles, kernel_problem)
 
 
 def check_kv_cache(args: argparse.Namespace, config: EngineConfig, vocab_size: int) -> None:
@@ -192,6 +200,63 @@ def check_kv_cache(args: argparse.Namespace, config: EngineConfig, vocab_size: i
             raise ValueError(problem)
 
 
+def start_processes(inputs: RunInputs) -> Bridge | None:
+    """torch.distributed and this process's GPU for its role; with generator ranks
+    (--rl-generator-ranks) the bridge between them and the trainers."""
+    args, roles = inputs.args, inputs.roles
+    if roles.generators:
+        join_world(roles, "nccl")
+    initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local", share_gpus=bool(roles.generators))
+    if not roles.generators:
+        return None
+    return Bridge(roles, args.refit_method, args.rl_generator_timeout, *bridge_address())
+
+
+def generate_apart(inputs: RunInputs, bridge: Bridge) -> None:
+    """A generator rank's run: the model built as the trainers build it (its weights come from
+    them), its engine, and every batch of the trainer ranks it serves."""
+    args, tokenizer = inputs.args, inputs.tokenizer
+    with bi.batch_invariant(args.batch_invariant_mode):
+        model = build_model(args, inputs.vocab_size)
+        memory_plan(args, inputs.vocab_size, generator=True)
+        try:
+            engine_config = size_kv_cache(args, inputs.engine_config, inputs.vocab_size, generator=True)
+        except ValueError as exc:
+            raise SystemExit(f"pretrain_rl.py: error: {exc}") from None
+        generate = rank_batches(Generator(model, engine_config), tokenizer, sampling_from_args(args, tokenizer.eod),
+                                inputs.rollout_config)
+        serve_generation(bridge, model, inputs.task, args.seed, args.rl_generation_lag, args.train_iters, generate)
+
+
+def train(inputs: RunInputs, bridge: Bridge | None) -> None:
+    """A trainer rank's run: the policy, its optimizer and, unless generators are apart, the
+    engine on the same module; then the RL loop."""
+    args, tokenizer, task, hf_model = inputs.args, inputs.tokenizer, inputs.task, inputs.hf_model
+    with bi.batch_invariant(args.batch_invariant_mode):
+        model = build_policy(args, inputs.vocab_size, hf_model)
+        ddp, optimizer = build_ddp_and_optimizer(args, model)
+        lr_scheduler = build_lr_scheduler(args, optimizer)
+        reference = build_reference_model(args, model) if args.grpo_kl_beta > 0 else None
+        generator = None
+        if bridge is None:
+            try:
+                engine_config = size_kv_cache(args, inputs.engine_config, inputs.vocab_size)
+            except ValueError as exc:  # the cache holds no request: before any generation
+                raise SystemExit(f"pretrain_rl.py: error: {exc}") from None
+            with generating(optimizer, args.rl_offload_optimizer_during_inference):
+                generator = Generator(model, engine_config)  # its cache sized for this phase
+        logger = build_logger(args, memory_plan(args, inputs.vocab_size))
+        run_rl(ddp=ddp, optimizer=optimizer, generator=generator, task=task, tokenizer=tokenizer,
+               rollout_config=inputs.rollout_config,
+               step_config=step_config_from_args(args),
+               sampling=sampling_from_args(args, tokenizer.eod), config=loop_config_from_args(args),
+               logger=logger, ref_model=reference, lr_scheduler=lr_scheduler, hf_model=hf_model,
+               eval_examples=inputs.eval_examples, bridge=bridge)
+    if logger:
+        logger.close()
+    torch.distributed.barrier()
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         inputs = read_inputs(argv)
@@ -199,32 +264,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"pretrain_rl.py: error: {exc}") from None
     print_arguments(inputs.args)
     if inputs.args.launch_check:
-        launch_check(inputs.args.load, inputs.kernel_problem)
+        launch_check(inputs.args.load, inputs.kernel_problem, inputs.args.rl_generator_ranks)
         return
-    args, tokenizer, task, hf_model = inputs.args, inputs.tokenizer, inputs.task, inputs.hf_model
-
-    initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
-    with bi.batch_invariant(args.batch_invariant_mode):
-        model = build_policy(args, inputs.vocab_size, hf_model)
-        ddp, optimizer = build_ddp_and_optimizer(args, model)
-        lr_scheduler = build_lr_scheduler(args, optimizer)
-        reference = build_reference_model(args, model) if args.grpo_kl_beta > 0 else None
-        try:
-            engine_config = size_kv_cache(args, inputs.engine_config, inputs.vocab_size)
-        except ValueError as exc:  # the cache holds no request: before any generation
-            raise SystemExit(f"pretrain_rl.py: error: {exc}") from None
-        with generating(optimizer, args.rl_offload_optimizer_during_inference):
-            generator = Generator(model, engine_config)  # its cache sized for this phase
-        logger = build_logger(args, memory_plan(args, inputs.vocab_size))
-        run_rl(ddp=ddp, optimizer=optimizer, generator=generator, task=task, tokenizer=tokenizer,
-               rollout_config=inputs.rollout_config,
-               step_config=step_config_from_args(args),
-               sampling=sampling_from_args(args, tokenizer.eod), config=loop_config_from_args(args),
-               logger=logger, ref_model=reference, lr_scheduler=lr_scheduler, hf_model=hf_model,
-               eval_examples=inputs.eval_examples)
-    if logger:
-        logger.close()
-    torch.distributed.barrier()
+    bridge = start_processes(inputs)
+    if inputs.roles.is_generator:
+        generate_apart(inputs, bridge)
+    else:
+        train(inputs, bridge)
     torch.distributed.destroy_process_group()
 
 

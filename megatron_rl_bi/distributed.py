@@ -11,12 +11,13 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 
-def initialize_distributed(seed: int, cuda_graphs: bool = False) -> None:
+def initialize_distributed(seed: int, cuda_graphs: bool = False, share_gpus: bool = False) -> None:
     """One process per GPU (torchrun or a single plain process); TP = PP = 1. With `cuda_graphs`
     (--cuda-graph-impl local) the RNG tracker is the graph-safe one megatron-core's graph
-    manager requires."""
+    manager requires. `share_gpus` (generator ranks apart) puts more processes than GPUs on a
+    node round-robin, so one GPU can hold a trainer and a generator."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
+    torch.cuda.set_device(local_rank % torch.cuda.device_count() if share_gpus else local_rank)
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")

@@ -2,37 +2,42 @@
 the process group over gloo and builds megatron-core's data-parallel groups as a run would, says
 where it landed, and rank 0 says whether the launch is whole (every rank once, one world size,
 the groups a data-parallel run needs) and the step a --load would resume from: a pre-flight of a
-cluster job (examples/slurm/*.sbatch), runnable on CPU-only nodes."""
+cluster job (examples/slurm/*.sbatch), runnable on CPU-only nodes. With generator ranks apart
+each process says its role; the trainers are the data-parallel ranks a checkpoint must match."""
 
 import torch
 
+from megatron_rl_bi.bridge import Roles
 from megatron_rl_bi.checkpoints.megatron import latest_checkpoint, read_rl_state
 from megatron_rl_bi.distributed import launch_problems, launch_processes
 
 
-def resume_line(load_dir: str | None) -> tuple[str, list[str]]:
-    """Where a run with --load `load_dir` would start, and what would stop it resuming here."""
+def resume_line(load_dir: str | None, trainers: int) -> tuple[str, list[str]]:
+    """Where a run with --load `load_dir` would start, and what would stop it resuming here with
+    `trainers` data-parallel ranks."""
     if not load_dir:
         return "no --load: would start a fresh run", []
     path = latest_checkpoint(load_dir)
     if path is None:
         return f"--load {load_dir}: no checkpoint yet, would start a fresh run", []
     ranks = read_rl_state(path)
-    world = torch.distributed.get_world_size()
-    problems = [] if len(ranks) == world else [
-        f"{path} was written by {len(ranks)} data-parallel ranks; this launch has {world}"]
+    problems = [] if len(ranks) == trainers else [
+        f"{path} was written by {len(ranks)} data-parallel ranks; this launch has {trainers}"]
     return f"--load {load_dir}: would resume from {path} (step {ranks[0]['step']})", problems
 
 
-def launch_check(load_dir: str | None, kernel_problem: str | None = None) -> None:
-    """Prints this process's place; rank 0 prints the verdict, and `kernel_problem` (the kernels
-    this node lacks: a GPU run would stop there, the launch is judged without them).
-    SystemExit(1) on any problem of the launch."""
+def launch_check(load_dir: str | None, kernel_problem: str | None = None, generators: int = 0) -> None:
+    """Prints this process's place (with `generators` apart, --rl-generator-ranks, its role); rank
+    0 prints the verdict, and `kernel_problem` (the kernels this node lacks: a GPU run would stop
+    there, the launch is judged without them). SystemExit(1) on any problem of the launch."""
     processes = launch_processes()
     me = processes[torch.distributed.get_rank()]
+    roles = Roles(me["rank"], me["world_size"], generators)
+    place = (f"generator for trainer ranks {roles.served_ranks()}" if roles.is_generator else
+             f"data-parallel group {me['data_parallel_group'][:roles.trainers]}")
     print(f"launch check: rank {me['rank']} of {me['world_size']} on {me['node']} (local rank "
-          f"{me['local_rank']}), data-parallel group {me['data_parallel_group']}", flush=True)
-    resume, problems = resume_line(load_dir)
+          f"{me['local_rank']}), {place}", flush=True)
+    resume, problems = resume_line(load_dir, roles.trainers)
     problems = launch_problems(processes) + problems
     if me["rank"] == 0:
         nodes = sorted({p["node"] for p in processes})

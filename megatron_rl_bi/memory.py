@@ -351,6 +351,10 @@ class RunShape:
     gpu_bytes: int
     requests: int = 0
     """Requests a step generates on each rank (prompts x group size)."""
+    role: str = "colocated"
+    """What the process holds: 'colocated' (trainer and engine on one module), or with generator
+    ranks apart (--rl-generator-ranks) a 'trainer' (no engine) or a 'generator' (the weights and
+    the engine only)."""
 
     @property
     def trainer_tokens(self) -> int:
@@ -363,7 +367,11 @@ def plan_memory(run: RunShape, levers: Levers) -> MemoryPlan:
     """Every piece of GPU state by phase, and the levers that would lower the peak."""
     plan = MemoryPlan(_items(run, levers), run.gpu_bytes)
     plan.suggestions = suggestions(run, levers, plan.peak_bytes)
-    plan.host_optimizer_bytes = host_optimizer_bytes(parameter_count(run.model), run.model, levers, run.data_parallel)
+    if run.role != "generator":
+        plan.host_optimizer_bytes = host_optimizer_bytes(parameter_count(run.model), run.model, levers,
+                                                         run.data_parallel)
+    if run.role == "trainer":
+        return plan
     cache = replace(run.engine, buffer_bytes=plan.item("KV cache + GDN states").bytes)
     plan.requests_at_once = requests_held(run.model, cache)
     plan.generation_waves = math.ceil(run.requests / plan.requests_at_once) if plan.requests_at_once else 0
@@ -376,15 +384,30 @@ def plan_memory(run: RunShape, levers: Levers) -> MemoryPlan:
 
 
 def _items(run: RunShape, levers: Levers) -> list[Item]:
-    shape, engine, tokens = run.model, run.engine, run.trainer_tokens
-    items = _state_items(shape, levers, run.data_parallel)
-    generating = sum(item.bytes for item in items if GENERATION in item.phases)
-    extra = engine_buffer_bytes(shape, engine)
-    kv = kv_cache_bytes(run.gpu_bytes - generating - extra, levers, engine)
-    kv_phases = BOTH if levers.kv_cache_mode == "persist" else (GENERATION,)
-    return items + [
+    """The process's items: a colocated one's state, engine and training pieces; a trainer's
+    state and training pieces; a generator's weights and engine."""
+    if run.role == "generator":
+        params = parameter_count(run.model)
+        return _engine_items(run, levers, [Item("weights", params * run.model.param_bytes, (GENERATION,),
+                                                 f"{params / 1e9:.2f}B parameters, sent by the trainer")])
+    state = _state_items(run.model, levers, run.data_parallel)
+    return (state if run.role == "trainer" else _engine_items(run, levers, state)) + _training_items(run, levers)
+
+
+def _engine_items(run: RunShape, levers: Levers, state: list[Item]) -> list[Item]:
+    """`state`, and the engine's cache (sized from what `state` leaves while generating) and buffer."""
+    generating = sum(item.bytes for item in state if GENERATION in item.phases)
+    extra = engine_buffer_bytes(run.model, run.engine)
+    kv = kv_cache_bytes(run.gpu_bytes - generating - extra, levers, run.engine)
+    kv_phases = BOTH if levers.kv_cache_mode == "persist" and run.role == "colocated" else (GENERATION,)
+    return state + [
         Item("KV cache + GDN states", kv, kv_phases, f"--rl-kv-cache-management-mode {levers.kv_cache_mode}"),
-        Item("engine logits buffer", extra, (GENERATION,), "CUDA graphs: fp32 logits of a decode step"),
+        Item("engine logits buffer", extra, (GENERATION,), "CUDA graphs: fp32 logits of a decode step")]
+
+
+def _training_items(run: RunShape, levers: Levers) -> list[Item]:
+    shape, tokens = run.model, run.trainer_tokens
+    return [
         Item("activations", activation_bytes(shape, tokens, levers.recompute), (TRAINING,),
              f"{tokens} tokens, recompute {levers.recompute.granularity or 'none'}"
              + (f" (none: {activation_bytes(shape, tokens, Recompute()) / GIB:.2f} GiB)"
@@ -436,8 +459,9 @@ def format_plan(plan: MemoryPlan) -> str:
         rows.append(f"{item.name:26} {item.bytes / GIB:8.2f}  {marks[0]:>10}  {marks[1]:>8}  {item.note}")
     rows.append(f"{'peak, generation':26} {plan.phase_bytes(GENERATION) / GIB:8.2f}")
     rows.append(f"{'peak, training':26} {plan.phase_bytes(TRAINING) / GIB:8.2f}")
-    rows.append(f"engine: the cache holds {plan.requests_at_once} requests of the longest length at once; "
-                f"a step's requests generate in {plan.generation_waves} wave(s)")
+    if any(item.name == "KV cache + GDN states" for item in plan.items):
+        rows.append(f"engine: the cache holds {plan.requests_at_once} requests of the longest length at once; "
+                    f"a step's requests generate in {plan.generation_waves} wave(s)")
     if plan.host_optimizer_bytes:
         rows.append(f"host: the optimizer state takes {plan.host_optimizer_bytes / GIB:.2f} GiB of CPU memory a GPU")
     fits = plan.peak_bytes <= plan.gpu_bytes

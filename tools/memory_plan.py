@@ -1,7 +1,8 @@
 r"""The GPU memory an RL run will take, before it runs (megatron_rl_bi/memory.py): weights,
 gradients, optimizer, KV cache, activations, the LM head, by phase, the predicted peak, and the
 levers that would lower it. Takes pretrain_rl.py's flags (a recipe, --hf-checkpoint, ...) and the
-GPUs to plan for; no GPU is needed.
+GPUs to plan for; no GPU is needed. With --rl-generator-ranks: a trainer's plan (no engine), a
+generator's (the weights and the engine), and the two together on one GPU.
 
   python tools/memory_plan.py --plan-gpus 1 --plan-gpu-memory-gib 139.8 \
       --recipe examples/recipes/qwen3_math_dapo.yaml --hf-checkpoint /ckpt/Qwen3-4B
@@ -9,6 +10,7 @@ GPUs to plan for; no GPU is needed.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -50,11 +52,20 @@ def main() -> None:
     except ValueError as exc:
         raise SystemExit(f"memory_plan.py: error: {exc}") from None
     plan = plan_memory(run, levers_from_args(args))
-    print(format_plan(plan))
+    record = {**provenance(), "argv": rest, "gpus": own.plan_gpus, "plan_gib": plan.summary(),
+              "suggestions": plan.suggestions}
+    if args.rl_generator_ranks:
+        generator = plan_memory(dataclasses.replace(run, role="generator"), levers_from_args(args))
+        print(f"a trainer ({own.plan_gpus} data-parallel):\n{format_plan(plan)}\n\na generator:\n{format_plan(generator)}")
+        together = (plan.peak_bytes + generator.peak_bytes) / GIB
+        print(f"\na trainer and a generator on one GPU: {together:.2f} GiB of {own.plan_gpu_memory_gib:.1f} GiB "
+              f"({'fits' if together <= own.plan_gpu_memory_gib else 'does NOT fit'})")
+        record.update(generator_plan_gib=generator.summary(), generator_suggestions=generator.suggestions)
+    else:
+        print(format_plan(plan))
     if own.plan_output:
         with open(own.plan_output, "w") as f:
-            json.dump({**provenance(), "argv": rest, "gpus": own.plan_gpus, "plan_gib": plan.summary(),
-                       "suggestions": plan.suggestions}, f, indent=2)
+            json.dump(record, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -145,7 +145,10 @@ def levers_from_args(args: argparse.Namespace) -> Levers:
 
 
 def memory_run_from_args(args: argparse.Namespace, vocab_size: int, data_parallel: int,
-                         gpu_bytes: int) -> RunShape:
+                         gpu_bytes: int, generator: bool = False) -> RunShape:
+    """The run's shape for the memory plan of one process: a generator's with `generator`, else a
+    trainer's (colocated unless --rl-generator-ranks puts the engine elsewhere)."""
+    role = "generator" if generator else "trainer" if args.rl_generator_ranks else "colocated"
     return RunShape(model=model_shape_from_args(args, vocab_size), engine=engine_shape(engine_config_from_args(args)),
                     micro_batch_tokens=args.rl_micro_batch_tokens, data_parallel=data_parallel,
-                    gpu_bytes=gpu_bytes, requests=args.grpo_prompts_per_step * args.grpo_group_size)
+                    gpu_bytes=gpu_bytes, requests=args.grpo_prompts_per_step * args.grpo_group_size, role=role)

@@ -95,6 +95,15 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="with --rl-generation-lag: keep the newest N weight versions on the CPU "
                        "and recompute stale rollouts under the weights that sampled them "
                        "(bit_wise_versioned/*)")
+    group.add_argument("--rl-generator-ranks", type=int, default=0, metavar="K",
+                       help="the last K of the launched processes only generate, each with its own "
+                       "engine, and the others only train; weights go to the generators after each "
+                       "update (--refit-method gloo|nccl), batches come back within the window of "
+                       "--rl-generation-lag")
+    group.add_argument("--rl-generator-timeout", type=float, default=1800.0,
+                       help="seconds a trainer waits for a generator's batch, and a generator for the "
+                       "weights (the first wait includes the model build and any warm-up); past it "
+                       "the run stops with an error naming the rank")
     group.add_argument("--rl-kv-cache-memory-fraction", type=float, default=None, metavar="F",
                        help="size the engine's KV cache as this fraction of the GPU memory free while "
                        "it generates (instead of --inference-dynamic-batching-buffer-size-gb)")
@@ -227,7 +236,6 @@ UNUSED_MEGATRON_FLAGS = {
     "--eval-iters": "--rl-eval-dataset is evaluated whole every --eval-interval steps",
     "--save-retain-interval": "--rl-keep-last-k keeps the newest checkpoints",
     "--async-save": "checkpoints are written synchronously, then renamed into place",
-    "--refit-method": "the engine runs on the trainer's own module: no weights are copied",
     "--rl-offload-inference-model-weights-when-idle": "the engine shares the trainer's weights",
     "--rl-training-cuda-graphs": "the trainer runs eagerly; CUDA graphs are the engine's",
     "--rl-inference-tensor-model-parallel-size": "the engine runs on the trainer's module (TP = 1)",
@@ -245,6 +253,9 @@ def unused_flag_errors(given: set[str]) -> list[str]:
     would run another job than the one asked for), and for two flags that size the KV cache."""
     errors = [f"{flag}: not used by pretrain_rl.py ({why})"
               for flag, why in UNUSED_MEGATRON_FLAGS.items() if flag in given]
+    if "--refit-method" in given and "--rl-generator-ranks" not in given:
+        errors.append("--refit-method: weights are sent only to generator ranks (--rl-generator-ranks); "
+                      "without them the engine runs on the trainer's own module")
     if {"--rl-kv-cache-memory-fraction", "--inference-dynamic-batching-buffer-size-gb"} <= given:
         errors.append("--rl-kv-cache-memory-fraction and --inference-dynamic-batching-buffer-size-gb "
                       "both size the KV cache: give one")
@@ -354,6 +365,21 @@ def memory_lever_errors(args: argparse.Namespace) -> list[str]:
     return errors
 
 
+def generator_rank_errors(args: argparse.Namespace) -> list[str]:
+    """What cannot work with --rl-generator-ranks."""
+    errors = []
+    if args.rl_generator_ranks < 0:
+        errors.append(f"--rl-generator-ranks must be >= 0, got {args.rl_generator_ranks}")
+    if not args.rl_generator_timeout > 0:
+        errors.append(f"--rl-generator-timeout must be > 0 seconds, got {args.rl_generator_timeout}")
+    if args.refit_method not in ("gloo", "nccl"):
+        errors.append(f"--refit-method {args.refit_method}: gloo or nccl")
+    if args.rl_generator_ranks > 0 and args.eval_interval:
+        errors.append("--eval-interval with --rl-generator-ranks: validation runs on the trainer's engine, "
+                      "and trainers have none when generators are apart")
+    return errors
+
+
 def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
     """One ValueError listing every bad RL flag (and `errors` found elsewhere)."""
     errors = [*errors, *bound_errors(args), *input_path_errors(args), *logger_package_errors(args),
@@ -366,6 +392,7 @@ def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
         errors.append(f"--rl-generation-lag must be >= 0, got {args.rl_generation_lag}")
     if args.rl_generation_lag and not args.rl_partial_rollouts:
         errors.append("--rl-generation-lag needs --rl-partial-rollouts (megatron-core's rule)")
+    errors += generator_rank_errors(args)
     if args.rl_tool_format == "chat" and not args.rl_env:
         errors.append("--rl-tool-format chat writes an environment's tool calls: it needs --rl-env")
     if args.rl_search_corpus and args.rl_env != "search":

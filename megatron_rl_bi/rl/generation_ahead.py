@@ -29,16 +29,39 @@ class GenerationAhead:
         groups, stats = self.pending.popleft()
         return groups, stats, time.time() - started
 
+    def start(self, step: int, weight_version: int, module) -> None:
+        """Nothing to send: the engine generates with the trainer's own module."""
+
+    def published(self, step: int, weight_version: int, module) -> None:
+        """Nothing to send: the engine generates with the trainer's own module."""
+
+    def finish(self) -> None:
+        """Nothing runs apart to be told."""
+
     def state_dict(self) -> list[dict]:
         """The batches generated and not yet trained on, as plain values (for the checkpoint:
         a resumed run trains on them, neither losing nor regenerating one)."""
-        return [{"groups": [[dataclasses.asdict(r) for r in group] for group in groups],
-                 "stats": dataclasses.asdict(stats)} for groups, stats in self.pending]
+        return [batch_to_plain(groups, stats) for groups, stats in self.pending]
 
     def load_state_dict(self, state: list[dict]) -> None:
-        self.pending = collections.deque(
-            ([[Rollout(**{**r, "generation": Generation(**r["generation"])}) for r in group]
-              for group in batch["groups"]], MetricTerms(**batch["stats"])) for batch in state)
+        self.pending = collections.deque(batch_from_plain(batch) for batch in state)
+
+
+def batch_to_plain(groups: list, stats: MetricTerms) -> dict:
+    """A batch of rollout groups and its statistics as plain values (a checkpoint, the bridge)."""
+    return {"groups": [[dataclasses.asdict(r) for r in group] for group in groups],
+            "stats": dataclasses.asdict(stats)}
+
+
+def batch_from_plain(batch: dict) -> tuple[list, MetricTerms]:
+    return ([[Rollout(**{**r, "generation": Generation(**r["generation"])}) for r in group]
+             for group in batch["groups"]], MetricTerms(**batch["stats"]))
+
+
+def weights_step(step: int, lag: int) -> int:
+    """The step whose weights generate step `step`'s batch (0: the starting weights): L steps
+    before the previous one."""
+    return max(0, step - 1 - lag)
 
 
 def staleness_terms(rollouts: list, weight_version: int) -> MetricTerms:

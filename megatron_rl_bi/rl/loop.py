@@ -8,7 +8,6 @@ resumed from a checkpoint repeats the uninterrupted one.
 """
 
 import contextlib
-import dataclasses
 import os
 import signal
 import time
@@ -28,9 +27,11 @@ from megatron_rl_bi.envs import PromptSource
 from megatron_rl_bi.inference import Generator, Sampling
 from megatron_rl_bi.reporting.metrics import MetricsLogger
 from megatron_rl_bi.rl.evaluate import validation_terms
+from megatron_rl_bi.bridge import Bridge
 from megatron_rl_bi.rl.generation_ahead import GenerationAhead, staleness_terms
+from megatron_rl_bi.rl.generator_apart import RemoteGeneration
 from megatron_rl_bi.rl.old_weights import KeptWeights
-from megatron_rl_bi.rl.rollouts import RolloutConfig, collect_rollouts
+from megatron_rl_bi.rl.rollouts import RolloutConfig, collect_rollouts, step_sampling
 from megatron_rl_bi.rl.sft import sft_step
 from megatron_rl_bi.rl.step import StepConfig, train_on_rollouts
 
@@ -225,8 +226,9 @@ def _save(step: int, weight_version: int, ddp, optimizer, lr_scheduler, source, 
     batches generated ahead with the prompt position after them."""
     last = step == config.steps
     if config.save_dir and _due(step, config.save_interval, last or exiting):
+        batches = ahead.state_dict()  # first: receiving a generator's batch moves the prompt position
         rl_state = {"step": step, "weight_version": weight_version, "seed": config.seed,
-                    "source": source.state_dict(), "ahead": ahead.state_dict()}
+                    "source": source.state_dict(), "ahead": batches}
         if lr_scheduler is not None:
             rl_state["lr_scheduler"] = lr_scheduler.state_dict()
         save_checkpoint(config.save_dir, step, ddp, optimizer, rl_state, keep_last=config.keep_last)
@@ -236,11 +238,28 @@ def _save(step: int, weight_version: int, ddp, optimizer, lr_scheduler, source, 
         torch.distributed.barrier()
 
 
+def _rollout_batches(generator, bridge, optimizer, task, tokenizer, sampling, rollout_config, config):
+    """This rank's prompt source and where its batches come from: its own engine, or with a
+    bridge the generator ranks (whose prompt position the source then only records)."""
+    if bridge is not None:
+        ahead = RemoteGeneration(bridge, config.generation_lag, config.steps)
+        return ahead.source, ahead
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    source = PromptSource(task, config.seed, rank, world)
+
+    def generate(step: int, version: int) -> tuple[list, MetricTerms]:
+        with generating(optimizer, config.offload_optimizer_during_inference):
+            return collect_rollouts(generator, source, tokenizer, step_sampling(sampling, step, rank),
+                                    rollout_config, version)
+
+    return source, GenerationAhead(config.generation_lag, config.steps, generate)
+
+
 def run_rl(
     *,
     ddp,
     optimizer,
-    generator: Generator,
+    generator: Generator | None,
     task,
     tokenizer,
     rollout_config: RolloutConfig,
@@ -252,21 +271,17 @@ def run_rl(
     lr_scheduler=None,
     hf_model: HFModel | None = None,
     eval_examples: list | None = None,
+    bridge: Bridge | None = None,
 ) -> None:
     """`logger` is None on ranks that do not log; `lr_scheduler` steps per optimizer update and
     is checkpointed; `hf_model` is the checkpoint to export like (--save-hf); `eval_examples` the
-    held-out prompts (--rl-eval-dataset)."""
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    source = PromptSource(task, config.seed, rank, world)
-    def generate(step: int, version: int) -> tuple[list, MetricTerms]:
-        step_sampling = dataclasses.replace(sampling, seed=sampling.seed + 1_000_003 * step + rank)
-        with generating(optimizer, config.offload_optimizer_during_inference):
-            return collect_rollouts(generator, source, tokenizer, step_sampling, rollout_config, version)
-
-    ahead = GenerationAhead(config.generation_lag, config.steps, generate)
+    held-out prompts (--rl-eval-dataset); `bridge` the generator ranks' (--rl-generator-ranks),
+    which then generate instead of `generator`."""
+    source, ahead = _rollout_batches(generator, bridge, optimizer, task, tokenizer, sampling, rollout_config, config)
     with _EarlyStop(config) as early_stop:
         start_step, weight_version = _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, ahead, task,
                                                         tokenizer, config, logger)
+        ahead.start(start_step, weight_version, ddp)
         kept = KeptWeights(config.keep_old_weights)
         kept.keep(weight_version, ddp)
         started = time.time()
@@ -274,6 +289,7 @@ def run_rl(
             metrics = _rl_step(ddp, optimizer, ahead, step, step_config, weight_version, ref_model, lr_scheduler,
                                kept)
             weight_version += metrics["optimizer_steps"]
+            ahead.published(step, weight_version, ddp)
             kept.keep(weight_version, ddp)
             if eval_examples and _due(step, config.eval_interval, last=False):
                 with generating(optimizer, config.offload_optimizer_during_inference):
@@ -290,4 +306,5 @@ def run_rl(
             if reason:
                 if logger:
                     print(f"{reason}: stopping after step {step}", flush=True)
-                return
+                break
+        ahead.finish()

@@ -18,7 +18,7 @@ class KeptWeights:
         """A CPU copy of `module`'s parameters and buffers as they are at `version`."""
         if not self.count or version in self.versions:
             return
-        self.versions[version] = {name: t.detach().to("cpu", copy=True) for name, t in _tensors(module)}
+        self.versions[version] = {name: t.detach().to("cpu", copy=True) for name, t in weight_tensors(module)}
         while len(self.versions) > self.count:
             self.versions.popitem(last=False)
 
@@ -26,7 +26,7 @@ class KeptWeights:
     def swapped_in(self, module: torch.nn.Module, version: int):
         """`module` with the weights of `version` for the block, its own weights back after,
         bit for bit (the optimizer's fp32 copies are not touched)."""
-        current = {name: t.detach().to("cpu", copy=True) for name, t in _tensors(module)}
+        current = {name: t.detach().to("cpu", copy=True) for name, t in weight_tensors(module)}
         _copy_into(module, self.versions[version])
         try:
             yield
@@ -34,12 +34,12 @@ class KeptWeights:
             _copy_into(module, current)
 
 
-def _tensors(module: torch.nn.Module):
-    yield from module.named_parameters()
-    yield from module.named_buffers()
+def weight_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A module's weights by name: its parameters, then its buffers."""
+    return [*module.named_parameters(), *module.named_buffers()]
 
 
 @torch.no_grad()
 def _copy_into(module: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
-    for name, tensor in _tensors(module):
+    for name, tensor in weight_tensors(module):
         tensor.copy_(values[name])

@@ -113,6 +113,12 @@ def generate_and_score(generator, samples, tokenizer, sampling, config, conversa
     return generations, scores
 
 
+def step_sampling(sampling: Sampling, step: int, rank: int) -> Sampling:
+    """The sampling of data-parallel rank `rank`'s batch for `step`: its seed a function of the
+    run's seed, the step and the rank (so a resumed run, or a generator apart, draws the same)."""
+    return dataclasses.replace(sampling, seed=sampling.seed + 1_000_003 * step + rank)
+
+
 def _report_round(round_index: int, generations: list[Generation], seconds: float) -> None:
     """Rank 0 prints each generation round's pace: a long generation (8K-token responses, DAPO's
     extra rounds) shows how far it is long before its step's record."""

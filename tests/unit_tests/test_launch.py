@@ -25,13 +25,15 @@ def test_a_missing_or_doubled_rank_another_world_size_or_group_is_named():
         "rank 1: data-parallel group [1], expected all 4 ranks"]
 
 
-def test_where_a_load_would_resume(tmp_path, gloo_group):
-    assert resume_line(None) == ("no --load: would start a fresh run", [])
-    assert resume_line(str(tmp_path)) == (f"--load {tmp_path}: no checkpoint yet, would start a fresh run", [])
+def test_where_a_load_would_resume(tmp_path):
+    assert resume_line(None, 1) == ("no --load: would start a fresh run", [])
+    assert resume_line(str(tmp_path), 1) == (f"--load {tmp_path}: no checkpoint yet, would start a fresh run", [])
     (tmp_path / "iter_0000005").mkdir()
     torch.save({"step": 5, "ranks": [{"step": 5}]}, tmp_path / "iter_0000005" / "rl_state.pt")
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("5\n")
-    assert resume_line(str(tmp_path)) == (f"--load {tmp_path}: would resume from {tmp_path}/iter_0000005 (step 5)", [])
+    assert resume_line(str(tmp_path), 1) == (f"--load {tmp_path}: would resume from {tmp_path}/iter_0000005 (step 5)", [])
     torch.save({"step": 5, "ranks": [{"step": 5}] * 2}, tmp_path / "iter_0000005" / "rl_state.pt")
-    assert resume_line(str(tmp_path))[1] == [
+    assert resume_line(str(tmp_path), 1)[1] == [
         f"{tmp_path}/iter_0000005 was written by 2 data-parallel ranks; this launch has 1"]
+    # with generator ranks apart only the trainers are data-parallel ranks
+    assert resume_line(str(tmp_path), 2)[1] == []

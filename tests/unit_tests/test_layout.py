@@ -28,8 +28,9 @@ ALLOWED = {
     "optimizer": set(),
     "memory": set(),
     "checkpoints": {"jsonfile", "packing"},
-    "launch": {"checkpoints", "distributed"},
-    "rl": {"checkpoints", "distributed", "envs", "inference", "models", "packing", "parity", "reporting",
+    "launch": {"bridge", "checkpoints", "distributed"},
+    "bridge": set(),
+    "rl": {"bridge", "checkpoints", "distributed", "envs", "inference", "models", "packing", "parity", "reporting",
            "bi", "compat", "jsonfile", "optimizer", "attention"},
 }
 TOP = "config"

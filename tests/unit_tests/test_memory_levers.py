@@ -128,7 +128,8 @@ def test_the_head_needs_no_logits_of_the_whole_batch(cpu_forward, monkeypatch):
      "both size the KV cache: give one"),
     (["--rl-offload-inference-model-weights-when-idle"],
      "--rl-offload-inference-model-weights-when-idle: not used by pretrain_rl.py"),
-    (["--refit-method", "gloo"], "--refit-method: not used by pretrain_rl.py"),
+    (["--refit-method", "gloo"], "--refit-method: weights are sent only to generator ranks"),
+    (["--rl-generator-ranks", "1", "--refit-method", "nvshmem"], "--refit-method nvshmem: gloo or nccl"),
 ])
 def test_levers_that_cannot_work_are_refused(flags, message):
     with pytest.raises(ValueError, match=message):

@@ -133,6 +133,25 @@ def test_plan_by_hand_each_lever():
     assert full.item("activations").note.endswith(f"(none: {2960 / memory.GIB:.2f} GiB)")  # beside, for comparison
 
 
+def test_plan_by_hand_with_generators_apart():
+    params = 372
+    trainer = plan_memory(dataclasses.replace(_run(), role="trainer"), Levers())
+    assert {i.name: i.bytes for i in trainer.items} == {
+        "weights": 2 * params, "gradients": 4 * params, "optimizer": 12 * params, "activations": 2960,
+        "LM head": 2880}  # no engine
+    assert trainer.peak_bytes == 18 * params + 2960 + 2880 and trainer.requests_at_once == 0
+    generator = plan_memory(dataclasses.replace(_run(), role="generator", requests=10), Levers())
+    assert {i.name: i.bytes for i in generator.items} == {
+        "weights": 2 * params, "KV cache + GDN states": 1000, "engine logits buffer": 0}
+    assert generator.peak_bytes == generator.phase_bytes(GENERATION) == 2 * params + 1000
+    assert generator.phase_bytes(TRAINING) == 0 and generator.host_optimizer_bytes == 0
+    assert (generator.requests_at_once, generator.generation_waves) == (4, 3)
+    # its cache by fraction: of what its weights leave (no optimizer there)
+    by_fraction = plan_memory(dataclasses.replace(_run(gpu=20_000), role="generator"), Levers(kv_cache_fraction=0.5))
+    assert by_fraction.item("KV cache + GDN states").bytes == int(0.5 * (20_000 - 2 * params))
+    assert "engine: the cache holds" not in memory.format_plan(trainer)
+
+
 def test_kv_cache_sized_by_fraction_of_what_generation_leaves():
     plan = plan_memory(_run(gpu=20_000), Levers(kv_cache_fraction=0.5))
     assert plan.item("KV cache + GDN states").bytes == int(0.5 * (20_000 - 18 * 372))
@@ -204,6 +223,15 @@ def test_the_tool_prints_and_writes_the_plan(tmp_path, monkeypatch, capsys):
     assert written["plan_gib"]["peak"] == max(written["plan_gib"]["peak_generation"],
                                               written["plan_gib"]["peak_training"])
     assert "fp32 main weights + Adam, 1/2 each (distributed)" in capsys.readouterr().out
+    monkeypatch.setattr("sys.argv", ["memory_plan.py", "--plan-output", str(output), "--recipe",
+                                     str(REPO / "examples" / "recipes" / "tiny_sort.yaml"), "--batch-invariant-mode",
+                                     "--flash-attention-version", "4", "--rl-generator-ranks", "1"])
+    tool.main()
+    written, printed = json.loads(output.read_text()), capsys.readouterr().out
+    assert "a trainer (1 data-parallel):" in printed and "\na generator:\n" in printed
+    together = written["plan_gib"]["peak"] + written["generator_plan_gib"]["peak"]
+    assert f"a trainer and a generator on one GPU: {together:.2f} GiB" in printed
+    assert "KV cache + GDN states" not in written["plan_gib"] and "gradients" not in written["generator_plan_gib"]
     monkeypatch.setattr("sys.argv", ["memory_plan.py", "--plan-gpus", "0"])
     with pytest.raises(SystemExit, match="--plan-gpus must be >= 1"):
         tool.main()

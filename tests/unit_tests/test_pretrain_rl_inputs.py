@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+from .conftest import free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--recipe", os.path.join(REPO, "examples", "recipes", "tiny_sort.yaml"), "--flash-attention-version", "4"]
 
@@ -52,6 +54,14 @@ def test_a_tool_format_the_tokenizer_cannot_write_is_refused_before_the_gpu(pret
     with pytest.raises(SystemExit, match=r"^pretrain_rl.py: error: --rl-tool-format chat needs a tokenizer "
                                          r"with a chat template"):
         pretrain_rl.main(lookup)
+
+
+def test_generator_ranks_that_leave_no_trainer_are_refused_before_the_gpu(pretrain_rl, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match=r"^pretrain_rl.py: error: --rl-generator-ranks 2 of 2 processes "
+                                         r"leaves no trainer"):
+        pretrain_rl.main(TINY + ["--rl-generator-ranks", "2"])
 
 
 ARGUMENT_DUMP = "------------------------ arguments ------------------------"
@@ -103,3 +113,17 @@ def test_the_launch_check_runs_on_a_cpu_machine_and_says_what_it_lacks(capsys):
     assert "launch check passed: 1 processes on 1 nodes" in result.stdout
     assert "no --load: would start a fresh run" in result.stdout
     assert "this node could not run the GPU work: invalid arguments:" in result.stdout
+
+
+def test_the_launch_check_says_each_process_role_with_generators_apart():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(free_port()), os.path.join(REPO, "pretrain_rl.py"), *TINY,
+                             "--batch-invariant-mode", "--rl-generator-ranks", "1", "--launch-check"],
+                            capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "launch check: rank 0 of 2 on " in result.stdout and "data-parallel group [0]" in result.stdout
+    assert "launch check: rank 1 of 2 on " in result.stdout and "generator for trainer ranks [0]" in result.stdout
+    assert "launch check passed: 2 processes on 1 nodes" in result.stdout
