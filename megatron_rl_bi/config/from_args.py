@@ -33,6 +33,7 @@ def engine_config_from_args(args: argparse.Namespace, prompt_logprobs: bool = Fa
         cuda_graphs_decode_only=args.decode_only_cuda_graphs,
         async_scheduling=args.inference_dynamic_batching_async_sched_mode == "async",
         kv_cache_management_mode=args.rl_kv_cache_management_mode,
+        prefix_caching=args.inference_dynamic_batching_enable_prefix_caching,
     )
 
 

@@ -237,6 +237,8 @@ UNUSED_MEGATRON_FLAGS = {
     "--save-retain-interval": "--rl-keep-last-k keeps the newest checkpoints",
     "--async-save": "checkpoints are written synchronously, then renamed into place",
     "--rl-offload-inference-model-weights-when-idle": "the engine shares the trainer's weights",
+    "--inference-dynamic-batching-prefix-caching-mamba-gb": "prefix caching is for dense models here "
+                                                            "(--inference-dynamic-batching-prefix-caching)",
     "--rl-training-cuda-graphs": "the trainer runs eagerly; CUDA graphs are the engine's",
     "--rl-inference-tensor-model-parallel-size": "the engine runs on the trainer's module (TP = 1)",
 }
@@ -357,6 +359,9 @@ def memory_lever_errors(args: argparse.Namespace) -> list[str]:
     if args.rl_offload_optimizer_during_inference and not (args.bf16 or args.fp16):
         errors.append("--rl-offload-optimizer-during-inference needs --bf16 or --fp16: without them "
                       "the optimizer updates the model's own fp32 weights, which the engine needs")
+    if args.inference_dynamic_batching_enable_prefix_caching and args.hybrid_layer_pattern:
+        errors.append("--inference-dynamic-batching-prefix-caching: not with hybrid GDN models (their layers "
+                      "keep no per-block states to resume a cached prefix from)")
     if args.rl_persist_cuda_graphs and args.rl_kv_cache_management_mode != "persist":
         errors.append("--rl-persist-cuda-graphs with --rl-kv-cache-management-mode "
                       f"{args.rl_kv_cache_management_mode} needs the cache at the same addresses "

@@ -1,14 +1,16 @@
 """Rollouts from megatron-core's DynamicInferenceEngine on the same GPTModel the trainer updates.
 
 No weight conversion: the engine wraps the trainer's module, so an optimizer step is seen by the
-next `generate()`. Prefix caching and chunked prefill stay off: both change which logits a prompt
-position gets (and prefix caching would keep old-weight KV across steps).
+next `generate()`. Chunked prefill stays off. Prefix caching (opt-in) lives for one
+`conversation()` block only, whose turns all run under the same weights: no KV computed under
+other weights is ever reused.
 
 megatron-core's engine sets a process-wide `InferenceMode` flag at construction and never clears
 it; while set, GPTModel asserts inference-style output gathering. `generate()` sets it only for
 the duration of a generation, so the trainer's forward between generations runs normally.
 """
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +67,11 @@ class EngineConfig:
     """megatron-core's async scheduling (--inference-dynamic-batching-async-sched-mode async):
     a step's next forward is prepared before its requests are resolved, so host bookkeeping
     overlaps the GPU. Which tokens run together changes; with BI their bits do not."""
+    prefix_caching: bool = False
+    """megatron-core's prefix caching (--inference-dynamic-batching-prefix-caching), within a
+    `Generator.conversation()` block: a turn's request reuses the KV blocks of its conversation
+    that an earlier turn's prefill computed, instead of computing them again. Dense models only
+    (the GDN layers keep no per-block states to resume from)."""
     kv_cache_management_mode: str = "persist"
     """megatron-core's KVCacheManagementMode between generations (--rl-kv-cache-management-mode):
     'persist' keeps the cache allocated; 'recompute' frees it (and GDN states) when a generation
@@ -140,6 +147,17 @@ def gdn_inference_state_config(model: torch.nn.Module) -> MambaInferenceStateCon
     )
 
 
+def _check_prefix_caching(model: torch.nn.Module, config: EngineConfig) -> None:
+    """Prefix caching is refused where it would change what is computed or cannot resume."""
+    if not config.prefix_caching:
+        return
+    if gdn_inference_state_config(model) is not None:
+        raise ValueError("--inference-dynamic-batching-prefix-caching: not with hybrid GDN models (their layers "
+                         "keep no per-block states to resume a cached prefix from)")
+    if config.prompt_logprobs:
+        raise ValueError("--inference-dynamic-batching-prefix-caching: a cached prefix gets no prompt logprobs")
+
+
 class _TokenIdsOnly:
     """The engine detokenizes every finished request; rollouts here stay token ids."""
 
@@ -149,6 +167,7 @@ class _TokenIdsOnly:
 
 class Generator:
     def __init__(self, model: torch.nn.Module, config: EngineConfig):
+        _check_prefix_caching(model, config)
         if model.config.batch_invariant_mode != bi.enabled():
             raise ValueError(
                 f"model built with batch_invariant_mode={model.config.batch_invariant_mode} "
@@ -160,6 +179,8 @@ class Generator:
                              "--inference-cuda-graph-scope block")
         self.model = model
         self.config = config
+        self.in_conversation = self.fresh_conversation = False
+        self.next_request_id = 0
         inference_config = InferenceConfig(
             block_size_tokens=config.block_size_tokens,
             buffer_size_gb=config.buffer_size_gb,
@@ -167,7 +188,7 @@ class Generator:
             max_tokens=config.max_tokens,
             max_sequence_length=config.max_sequence_length,
             materialize_only_last_token_logits=not config.prompt_logprobs,
-            enable_prefix_caching=False,
+            enable_prefix_caching=config.prefix_caching,
             enable_chunked_prefill=False,
             logprobs_mode="processed_logprobs" if config.processed_logprobs else "raw_logprobs",
             # The trainer reproduces the torch backend's processed logprobs (bi.sampling_logits).
@@ -237,27 +258,54 @@ class Generator:
         self.model.eval()
         InferenceMode.set_active()
         try:
-            self.engine.resume()  # the cache back, where the last generation freed it
-            self.engine.reset()
-            self.engine.controller.sampling_rng.manual_seed(sampling.seed)
-            device = torch.cuda.current_device()
-            futures = [
-                self.engine.add_request(
-                    request_id, torch.tensor(prompt, dtype=torch.int64, device=device), request_params
-                )
-                for request_id, (prompt, request_params) in enumerate(zip(prompts, params))
-            ]
-            while self.engine.has_unfinished_requests():
-                self.engine.step_modern()
-            records = [future.result().merge() for future in futures]
-            if self.config.kv_cache_management_mode != "persist":
-                self.engine.reset()  # no request left for resume() to add again
-                self.engine.suspend()  # frees the cache while the trainer trains
+            records = self._run(prompts, params, sampling.seed)
         finally:
             InferenceMode.unset_active()
             self.model.train(was_training)
         return [self._to_generation(record, prompt, sampling, budget)
                 for record, prompt, budget in zip(records, prompts, max_new_tokens)]
+
+    @contextlib.contextmanager
+    def conversation(self):
+        """The generations of one batch of conversations, every turn under the same weights:
+        with prefix caching, a turn reuses the KV blocks its conversation's earlier turns
+        prefilled (the cache starts empty with the block, and is freed after it as
+        --rl-kv-cache-management-mode says). Without prefix caching nothing changes: each
+        generation starts from an empty cache."""
+        if not self.config.prefix_caching:
+            yield
+            return
+        self.in_conversation = self.fresh_conversation = True
+        try:
+            yield
+        finally:
+            self.in_conversation = False
+            self._release_cache()
+
+    def _run(self, prompts: list[list[int]], params: list[SamplingParams], seed: int) -> list:
+        """The engine's records of `prompts`: from an empty cache, or inside a conversation
+        after its first turn on the cache as the last turn left it (ids keep counting)."""
+        if not self.in_conversation or self.fresh_conversation:
+            self.engine.resume()  # the cache back, where the last generation freed it
+            self.engine.reset()
+            self.next_request_id, self.fresh_conversation = 0, False
+        self.engine.controller.sampling_rng.manual_seed(seed)
+        device = torch.cuda.current_device()
+        first, self.next_request_id = self.next_request_id, self.next_request_id + len(prompts)
+        futures = [self.engine.add_request(first + i, torch.tensor(prompt, dtype=torch.int64, device=device),
+                                           request_params)
+                   for i, (prompt, request_params) in enumerate(zip(prompts, params))]
+        while self.engine.has_unfinished_requests():
+            self.engine.step_modern()
+        records = [future.result().merge() for future in futures]
+        if not self.in_conversation:
+            self._release_cache()
+        return records
+
+    def _release_cache(self) -> None:
+        if self.config.kv_cache_management_mode != "persist":
+            self.engine.reset()  # no request left for resume() to add again
+            self.engine.suspend()  # frees the cache while the trainer trains
 
     def _to_generation(self, request, prompt: list[int], sampling: Sampling, max_new_tokens: int) -> Generation:
         if request.status != Status.COMPLETED:

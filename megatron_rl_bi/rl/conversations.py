@@ -5,9 +5,9 @@ sample as tokens it wrote (context: no loss, no parity); the next turn continues
 Tokens stay tokens: nothing sampled is decoded and encoded again.
 
 Each turn of every open conversation is one engine generation over the conversation so far (the
-engine prefills what it already computed in an earlier turn: batch invariance makes those rows
-equal to the decode rows they repeat, so the logprobs of every sampled token are the ones the
-trainer recomputes). The environment's calls of a turn run together, each on its own thread.
+engine prefills what it already computed in an earlier turn, or with prefix caching reuses the
+blocks an earlier turn prefilled: batch invariance makes those rows equal to the decode rows they
+repeat, so the logprobs of every sampled token are the ones the trainer recomputes). The environment's calls of a turn run together, each on its own thread.
 """
 
 import functools
@@ -108,11 +108,12 @@ def run_conversations(generator: Generator, examples: list, environment: type, t
         else:
             conversation.environment, conversation.prompt_tokens = outcome.value
     counts = Counter()
-    for _ in range(config.max_turns):
-        open_ = [c for c in conversations if not c.over and len(c.prompt_tokens) + len(c.tokens) < context]
-        if not open_:
-            break
-        _turn(generator, open_, tokenizer, turn_format, sampling, config, context, counts)
+    with generator.conversation():  # with prefix caching, a turn reuses what earlier turns prefilled
+        for _ in range(config.max_turns):
+            open_ = [c for c in conversations if not c.over and len(c.prompt_tokens) + len(c.tokens) < context]
+            if not open_:
+                break
+            _turn(generator, open_, tokenizer, turn_format, sampling, config, context, counts)
     counts.update(c.problem for c in conversations if c.problem)
     counts.update(turns=sum(c.turns for c in conversations),
                   truncated=sum(not c.over for c in conversations))

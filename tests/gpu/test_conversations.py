@@ -2,8 +2,10 @@
 three-turn conversation, environment tokens between the turns, has the trainer's logprob bit
 for bit; and when the weights change between turns, each turn's tokens have the logprobs of the
 weights that sampled them (the engine computes a conversation's context again under the current
-weights at every turn, so no turn continues from another version's KV cache)."""
+weights at every turn, so no turn continues from another version's KV cache). With prefix
+caching (dense), later turns reuse the blocks earlier turns prefilled, and no bit changes."""
 
+import dataclasses
 import random
 
 import pytest
@@ -116,3 +118,25 @@ def test_a_turn_after_the_weights_change_is_computed_under_the_new_weights(model
         for parameter, before in zip(model.parameters(), engine.before):
             parameter.copy_(before)
     assert _sampled_equal(model, generations, lambda c: ~last_turn)  # turns 1 and 2: the old weights
+
+
+def test_prefix_caching_reuses_earlier_turns_and_changes_no_bit(distributed):
+    try:
+        model = build(TINY_DENSE_ARGS, batch_invariant=True)
+        small_blocks = dataclasses.replace(ENGINE, block_size_tokens=64)  # conversations span whole blocks
+        plain = _conversations(Generator(model, small_blocks))
+        cached_engine = Generator(model, dataclasses.replace(small_blocks, prefix_caching=True))
+        cached = _conversations(cached_engine)
+    finally:
+        bi.disable()
+    assert [(g.tokens, g.completion_logprobs) for g in cached] == [(g.tokens, g.completion_logprobs) for g in plain]
+    assert cached_engine.engine._prefill_tokens_skipped > 0  # megatron-core's own count: blocks were reused
+
+
+def test_prefix_caching_is_refused_for_hybrid_models(distributed):
+    try:
+        model = build(TINY_HYBRID_ARGS, batch_invariant=True)
+        with pytest.raises(ValueError, match="--inference-dynamic-batching-prefix-caching: not with hybrid GDN"):
+            Generator(model, dataclasses.replace(ENGINE, prefix_caching=True))
+    finally:
+        bi.disable()

@@ -1,8 +1,17 @@
+import contextlib
 import socket
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+
+class ScriptedGenerator:
+    """What a scripted engine shares with the Generator besides generate(): its conversation()
+    block, here with no prefix cache to keep."""
+
+    def conversation(self):
+        return contextlib.nullcontext()
 
 
 def free_port() -> int:

@@ -15,6 +15,8 @@ from megatron_rl_bi.envs.tokenizer import CharTokenizer
 from megatron_rl_bi.inference import Generation, Sampling
 from megatron_rl_bi.rl.conversations import TurnConfig, run_conversations
 
+from .conftest import ScriptedGenerator
+
 
 def test_a_program_runs_in_its_own_directory():
     assert run_python("print(6 * 7)", 5, 512) == "42\n"
@@ -48,7 +50,7 @@ def test_the_sandbox_stops_at_its_limits():
     assert len(run_python("print('x' * 100000)", 5, 512)) == OUTPUT_CHARACTERS
 
 
-class ComputesThenAnswers:
+class ComputesThenAnswers(ScriptedGenerator):
     """Writes countdown's arithmetic as a program, reads the output, answers with the expression."""
 
     config = SimpleNamespace(max_sequence_length=512, max_prompt_tokens=511)

@@ -15,6 +15,8 @@ from megatron_rl_bi.inference import Generation, Sampling
 from megatron_rl_bi.rl.conversations import TurnConfig, run_conversations, tokens_through_stop
 from megatron_rl_bi.rl.rollouts import RolloutConfig, collect_rollouts
 
+from .conftest import ScriptedGenerator
+
 TOK = CharTokenizer()
 SAMPLING = Sampling(max_new_tokens=16, eod_id=TOK.eod, seed=0)
 
@@ -34,7 +36,7 @@ class KeyValue:
         return "", float(text == f"<a>{self.answer}</a>"), True
 
 
-class ScriptedEngine:
+class ScriptedEngine(ScriptedGenerator):
     """Turn k of a conversation (k = the </s> in its text so far) samples turns[k]; '$' is the
     end-of-document token. Each turn's logprobs are -0.5 (first turn), -0.25 (second), ..."""
 

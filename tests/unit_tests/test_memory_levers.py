@@ -12,6 +12,7 @@ from megatron.training.argument_utils import core_transformer_config_from_args
 
 from megatron_rl_bi import bi, compat
 from megatron_rl_bi.config import parse_rl_args
+from megatron_rl_bi.config.from_args import engine_config_from_args
 from megatron_rl_bi.models import logprobs as head
 from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.models.logprobs import forward_logprobs
@@ -129,11 +130,21 @@ def test_the_head_needs_no_logits_of_the_whole_batch(cpu_forward, monkeypatch):
     (["--rl-offload-inference-model-weights-when-idle"],
      "--rl-offload-inference-model-weights-when-idle: not used by pretrain_rl.py"),
     (["--refit-method", "gloo"], "--refit-method: weights are sent only to generator ranks"),
+    (["--inference-dynamic-batching-prefix-caching-mamba-gb", "1"],
+     "--inference-dynamic-batching-prefix-caching-mamba-gb: not used by pretrain_rl.py"),
     (["--rl-generator-ranks", "1", "--refit-method", "nvshmem"], "--refit-method nvshmem: gloo or nccl"),
 ])
 def test_levers_that_cannot_work_are_refused(flags, message):
     with pytest.raises(ValueError, match=message):
         parse_rl_args(COMMON + DENSE + flags)
+
+
+def test_prefix_caching_is_read_for_dense_models_and_refused_for_hybrid_ones():
+    assert engine_config_from_args(parse_rl_args(COMMON + DENSE + ["--inference-dynamic-batching-prefix-caching"])
+                                   ).prefix_caching
+    assert not engine_config_from_args(parse_rl_args(COMMON + DENSE)).prefix_caching
+    with pytest.raises(ValueError, match="--inference-dynamic-batching-prefix-caching: not with hybrid GDN models"):
+        parse_rl_args(COMMON + HYBRID + ["--inference-dynamic-batching-prefix-caching"])
 
 
 def test_levers_that_work_parse():

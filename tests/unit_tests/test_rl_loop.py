@@ -28,6 +28,7 @@ from megatron_rl_bi.reporting.metrics import MetricsLogger, read_step_records
 from megatron_rl_bi.rl import loop
 from megatron_rl_bi.rl.loop import run_rl
 
+from .conftest import ScriptedGenerator
 from .test_rl_step import SGD, TinyDDP
 
 TOK = CharTokenizer()
@@ -139,7 +140,7 @@ def test_a_checkpoint_of_another_schedule_is_refused_naming_the_flags():
         loop._restore_lr_schedule(scheduler(5), state, "ckpt")
 
 
-class LookupEngine:
+class LookupEngine(ScriptedGenerator):
     """Plays the lookup task turn by turn: searches for the key, then answers it, right for even
     requests and wrong for odd ones; the engine's logprob of each sampled token is -1."""
 

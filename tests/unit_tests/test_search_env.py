@@ -21,6 +21,8 @@ from megatron_rl_bi.envs.tokenizer import CharTokenizer
 from megatron_rl_bi.inference import Generation, Sampling
 from megatron_rl_bi.rl.conversations import TurnConfig, run_conversations
 
+from .conftest import ScriptedGenerator
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = ["The Eiffel Tower is in Paris.", "Mount Fuji is the highest mountain in Japan.",
           "Paris is the capital of France.", "The Nile flows through Egypt."]
@@ -62,7 +64,7 @@ def test_a_search_conversation_searches_then_answers():
         0.0, False)  # told so; the conversation goes on
 
 
-class FollowsTheDemonstration:
+class FollowsTheDemonstration(ScriptedGenerator):
     """Samples the lookup task's demonstration, a turn at a time: through </search>, then the
     answer and end-of-document."""
 

@@ -16,6 +16,8 @@ from megatron_rl_bi.envs.tool_format import build_tool_format, parse_tool_call, 
 from megatron_rl_bi.inference import Generation, Sampling
 from megatron_rl_bi.rl.conversations import TurnConfig, run_conversations
 
+from .conftest import ScriptedGenerator
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Written for this test after the layout of Qwen3's template (not its text).
 TOOL_TEMPLATE = (
@@ -75,7 +77,7 @@ class Lookup:
         return "", float(text.endswith("<answer>317</answer>")), True
 
 
-class ScriptedEngine:
+class ScriptedEngine(ScriptedGenerator):
     """Turn k (k tool answers in the request so far) samples turns[k], then end-of-document."""
 
     def __init__(self, tok, turns):

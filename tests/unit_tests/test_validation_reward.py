@@ -13,6 +13,8 @@ from megatron_rl_bi.rl.evaluate import validation_terms
 from megatron_rl_bi.rl.conversations import TurnConfig
 from megatron_rl_bi.rl.rollouts import RolloutConfig
 
+from .conftest import ScriptedGenerator
+
 TOK = CharTokenizer()
 
 
@@ -43,7 +45,7 @@ def test_validation_reward(tmp_path, gloo_group):
     assert generator.seeds == [5, 5]  # the fixed seed, whatever the step's sampling seed
 
 
-class SearchesThenAnswers:
+class SearchesThenAnswers(ScriptedGenerator):
     """Searches for the key, then answers with the first number it read (every answer right)."""
 
     config = SimpleNamespace(max_sequence_length=256, max_prompt_tokens=255)
