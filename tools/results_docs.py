@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from megatron_rl_bi.jsonfile import read_object  # noqa: E402
 from megatron_rl_bi.reporting.metrics import read_segments  # noqa: E402
+from megatron_rl_bi.reporting.provenance import stamped_commit  # noqa: E402
 
 DOCS = ("README.md", "docs/*.md", "results/README.md")
 VALUE = re.compile(r"<!-- value (\S+) (\S+) (\S+) -->(.*?)<!-- /value -->")
@@ -124,7 +125,7 @@ def _rl_runs_table(*paths: str) -> str:
         runs = load(path)["runs"]
         rewards = [r["reward/task_mean"] for r in steps]
         rows.append(
-            f"| `{os.path.basename(path)}` | {runs[0]['git_commit'][:7]} | {len(steps)} "
+            f"| `{os.path.basename(path)}` | {stamped_commit(runs[0])[:7]} | {len(steps)} "
             f"| {max(r['bit_wise/logprob_diff/max'] for r in steps):g} "
             f"| {sum(r['bit_wise/tokens'] for r in steps):,} "
             f"| {statistics.mean(rewards[:10]):.2f} / {statistics.mean(rewards[-10:]):.2f} "

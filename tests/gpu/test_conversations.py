@@ -70,6 +70,9 @@ class ChangingWeights:
         self.calls += 1
         return self.generator.generate(prompts, sampling, max_new_tokens)
 
+    def conversation(self):
+        return self.generator.conversation()
+
 
 @pytest.fixture(params=sorted(MODELS))
 def model(request, distributed):
