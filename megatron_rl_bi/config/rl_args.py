@@ -239,6 +239,8 @@ UNUSED_MEGATRON_FLAGS = {
     "--rl-offload-inference-model-weights-when-idle": "the engine shares the trainer's weights",
     "--inference-dynamic-batching-prefix-caching-mamba-gb": "prefix caching is for dense models here "
                                                             "(--inference-dynamic-batching-prefix-caching)",
+    "--inference-dynamic-batching-prefix-caching-eviction-policy": "a conversation's next turn reuses blocks "
+                                                                   "its last turn released: always lru here",
     "--rl-training-cuda-graphs": "the trainer runs eagerly; CUDA graphs are the engine's",
     "--rl-inference-tensor-model-parallel-size": "the engine runs on the trainer's module (TP = 1)",
 }

@@ -18,6 +18,7 @@ from megatron.core.inference.config import (
     InferenceConfig,
     KVCacheManagementMode,
     MambaInferenceStateConfig,
+    PrefixCachingEvictionPolicy,
 )
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
@@ -189,6 +190,9 @@ class Generator:
             max_sequence_length=config.max_sequence_length,
             materialize_only_last_token_logits=not config.prompt_logprobs,
             enable_prefix_caching=config.prefix_caching,
+            # A turn's request comes after the last turn's finished: its blocks must stay cached
+            # once released (megatron-core's default, ref_zero, drops them at once).
+            prefix_caching_eviction_policy=PrefixCachingEvictionPolicy.LRU,
             enable_chunked_prefill=False,
             logprobs_mode="processed_logprobs" if config.processed_logprobs else "raw_logprobs",
             # The trainer reproduces the torch backend's processed logprobs (bi.sampling_logits).

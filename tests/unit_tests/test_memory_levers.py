@@ -132,6 +132,8 @@ def test_the_head_needs_no_logits_of_the_whole_batch(cpu_forward, monkeypatch):
     (["--refit-method", "gloo"], "--refit-method: weights are sent only to generator ranks"),
     (["--inference-dynamic-batching-prefix-caching-mamba-gb", "1"],
      "--inference-dynamic-batching-prefix-caching-mamba-gb: not used by pretrain_rl.py"),
+    (["--inference-dynamic-batching-prefix-caching-eviction-policy", "ref_zero"],
+     "--inference-dynamic-batching-prefix-caching-eviction-policy: not used by pretrain_rl.py"),
     (["--rl-generator-ranks", "1", "--refit-method", "nvshmem"], "--refit-method nvshmem: gloo or nccl"),
 ])
 def test_levers_that_cannot_work_are_refused(flags, message):
