@@ -58,13 +58,11 @@ class RemoteGeneration:
     def start(self, step: int, weight_version: int, module) -> None:
         """Tells the generator where the run starts (fresh, or resumed at `step` with the batches
         its checkpoint holds) and sends it the weights to start from."""
-        self.received_step = self.trained_step = step
-        self.received_step += len(self.pending)
+        self.trained_step, self.received_step = step, step + len(self.pending)
         self.bridge.put(f"start/{self.rank}", {"weights_step": step, "first_step": self.received_step + 1,
                                                "source": self.source.state_dict()})
-        tensors = weight_tensors(unwrap_model(module))
         if self.rank == 0:
-            check_layout(self.bridge, tensors, "generator")
+            check_layout(self.bridge, weight_tensors(unwrap_model(module)), "generator")
         self._send(step, weight_version, module)
 
     def take(self, step: int, weight_version: int) -> tuple[list, object, float]:
