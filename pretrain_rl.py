@@ -50,7 +50,7 @@ from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.optimizer import build_ddp_and_optimizer, build_lr_scheduler
 from megatron_rl_bi.reporting.metrics import MetricsLogger
 from megatron_rl_bi.reporting.provenance import provenance
-from megatron_rl_bi.rl.generator_apart import rank_batches, serve_generation
+from megatron_rl_bi.rl.generator_apart import Schedule, rank_batches, rank_validation, serve_generation
 from megatron_rl_bi.rl.loop import generating, run_rl
 
 
@@ -223,9 +223,12 @@ def generate_apart(inputs: RunInputs, bridge: Bridge) -> None:
             engine_config = size_kv_cache(args, inputs.engine_config, inputs.vocab_size, generator=True)
         except ValueError as exc:
             raise SystemExit(f"pretrain_rl.py: error: {exc}") from None
-        generate = rank_batches(Generator(model, engine_config), tokenizer, sampling_from_args(args, tokenizer.eod),
-                                inputs.rollout_config)
-        serve_generation(bridge, model, inputs.task, args.seed, args.rl_generation_lag, args.train_iters, generate)
+        engine, sampling = Generator(model, engine_config), sampling_from_args(args, tokenizer.eod)
+        validate = inputs.eval_examples and rank_validation(engine, inputs.eval_examples, tokenizer, sampling,
+                                                            args.seed, inputs.rollout_config, inputs.roles.trainers)
+        schedule = Schedule(args.rl_generation_lag, args.train_iters, (args.eval_interval or 0) if validate else 0)
+        serve_generation(bridge, model, inputs.task, args.seed, schedule,
+                         rank_batches(engine, tokenizer, sampling, inputs.rollout_config), validate or None)
 
 
 def train(inputs: RunInputs, bridge: Bridge | None) -> None:

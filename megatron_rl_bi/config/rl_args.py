@@ -381,9 +381,6 @@ def generator_rank_errors(args: argparse.Namespace) -> list[str]:
         errors.append(f"--rl-generator-timeout must be > 0 seconds, got {args.rl_generator_timeout}")
     if args.refit_method not in ("gloo", "nccl"):
         errors.append(f"--refit-method {args.refit_method}: gloo or nccl")
-    if args.rl_generator_ranks > 0 and args.eval_interval:
-        errors.append("--eval-interval with --rl-generator-ranks: validation runs on the trainer's engine, "
-                      "and trainers have none when generators are apart")
     return errors
 
 

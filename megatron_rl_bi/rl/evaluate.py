@@ -19,11 +19,14 @@ VALIDATION_REWARD = "validation_reward/mean"
 
 
 def validation_terms(generator: Generator, examples: list, tokenizer, sampling: Sampling,
-                     seed: int, config: RolloutConfig) -> MetricTerms:
-    """This rank's share of `validation_reward/mean`: each example completed once, or with an
-    environment (--rl-env) as a conversation, scored as the rollouts are; and how many rewards
-    scored 0 because the verifier or the environment failed."""
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+                     seed: int, config: RolloutConfig, rank: int | None = None,
+                     world: int | None = None) -> MetricTerms:
+    """Data-parallel rank `rank`'s share (default: this process's) of `validation_reward/mean`:
+    each example completed once, or with an environment (--rl-env) as a conversation, scored as
+    the rollouts are; and how many rewards scored 0 because the verifier or the environment
+    failed. A generator rank apart passes the rank and world of the trainer it serves."""
+    if rank is None:
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     shard = examples[rank::world]
     scores = []
     if shard:

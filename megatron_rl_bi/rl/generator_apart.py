@@ -18,17 +18,42 @@ while a generator finishes the batch it is on.
 """
 
 import collections
+import dataclasses
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 from megatron.core.utils import unwrap_model
 
 from megatron_rl_bi.bridge import Bridge, check_layout
+from megatron_rl_bi.distributed import MetricTerms
 from megatron_rl_bi.envs import PromptSource
+from megatron_rl_bi.rl.evaluate import validation_terms
 from megatron_rl_bi.rl.generation_ahead import batch_from_plain, batch_to_plain, weights_step
 from megatron_rl_bi.rl.old_weights import weight_tensors
 from megatron_rl_bi.rl.rollouts import collect_rollouts, step_sampling
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When the weights go to the generators: after every step whose weights generate a batch
+    still to come (step <= last - 1 - lag), and after every step validated there
+    (--eval-interval); both sides read it alike."""
+
+    lag: int
+    last_step: int
+    eval_interval: int = 0
+
+    def validated(self, step: int) -> bool:
+        return bool(self.eval_interval) and step % self.eval_interval == 0
+
+    def sends_after(self, step: int) -> bool:
+        return step <= self.last_step - 1 - self.lag or self.validated(step)
+
+    def next_send(self, after: int) -> int | None:
+        """The first step after `after` whose weights are sent; None when there is none."""
+        return next((s for s in range(after + 1, self.last_step + 1) if self.sends_after(s)), None)
 
 
 class PromptPosition:
@@ -48,8 +73,9 @@ class PromptPosition:
 class RemoteGeneration:
     """The trainer's side: GenerationAhead's interface, its batches received from a generator."""
 
-    def __init__(self, bridge: Bridge, lag: int, last_step: int):
-        self.bridge, self.lag, self.last_step = bridge, lag, last_step
+    def __init__(self, bridge: Bridge, schedule: Schedule):
+        self.bridge, self.schedule = bridge, schedule
+        self.lag, self.last_step = schedule.lag, schedule.last_step
         self.rank = torch.distributed.get_rank()
         self.source, self.pending = PromptPosition(), collections.deque()
         self.received_step = self.trained_step = 0
@@ -76,16 +102,21 @@ class RemoteGeneration:
 
     def published(self, step: int, weight_version: int, module) -> None:
         """After step `step`'s update: the weights go to the generators if a batch still to come
-        is generated with them."""
-        if step <= self.last_step - 1 - self.lag:
+        is generated with them, or if they are validated there."""
+        if self.schedule.sends_after(step):
             self._send(step, weight_version, module)
+
+    def validation(self, step: int) -> MetricTerms:
+        """This rank's share of the validation of the weights after `step`, from its generator."""
+        return MetricTerms(**self.bridge.take(f"eval/{step}/{self.rank}",
+                                              f"generator rank {self.bridge.roles.generator_of(self.rank)}"))
 
     def finish(self) -> None:
         """The run ends after the step trained last (its last step, or an early stop): the last
         weights are sent, and generators waiting for weights that will not come are told."""
         self._wait_for_send()
-        next_weights = self.trained_step + 1
-        if self.rank == 0 and next_weights <= self.last_step - 1 - self.lag:
+        next_weights = self.schedule.next_send(self.trained_step)
+        if self.rank == 0 and next_weights is not None:
             for index in range(self.bridge.roles.generators):
                 self.bridge.put(f"refit/{index}/{next_weights}", None)
 
@@ -144,10 +175,22 @@ def rank_batches(engine, tokenizer, sampling, rollout_config):
     return generate
 
 
-def serve_generation(bridge: Bridge, module, task, seed: int, lag: int, last_step: int, generate) -> None:
+def rank_validation(engine, examples: list, tokenizer, sampling, seed: int, rollout_config, trainers: int):
+    """The generator's `validate` for serve_generation: trainer rank R's share of the held-out
+    set, scored as R would score it with its own engine."""
+    def validate(rank: int) -> MetricTerms:
+        return validation_terms(engine, examples, tokenizer, sampling, seed, rollout_config, rank, trainers)
+
+    return validate
+
+
+def serve_generation(bridge: Bridge, module, task, seed: int, schedule: Schedule, generate,
+                     validate=None) -> None:
     """A generator's whole run: the start record of each trainer rank it serves, the weights,
-    then every batch from the first step to the last, each with the weights its window asks for.
-    `generate(step, weight_version, trainer_rank, source)` -> (groups, stats)."""
+    every batch from the first step to the last with the weights its window asks for, and the
+    validation of the weights of each validated step.
+    `generate(step, weight_version, trainer_rank, source)` -> (groups, stats);
+    `validate(trainer_rank)` -> MetricTerms of that rank's share of the held-out set."""
     roles = bridge.roles
     ranks = roles.served_ranks()
     starts = {rank: bridge.take(f"start/{rank}", f"trainer rank {rank}") for rank in ranks}
@@ -157,18 +200,42 @@ def serve_generation(bridge: Bridge, module, task, seed: int, lag: int, last_ste
             sources[rank].load_state_dict(start["source"])
     named = weight_tensors(unwrap_model(module))
     check_layout(bridge, named, f"generator rank {roles.rank}")
-    tensors = [tensor for _, tensor in named]
-    have, first_step = starts[ranks[0]]["weights_step"], starts[ranks[0]]["first_step"]
-    version = _receive_weights(bridge, tensors, have)
-    for step in range(first_step, last_step + 1):
-        while version is not None and have < weights_step(step, lag):
-            have += 1
-            version = _receive_weights(bridge, tensors, have)
-        if version is None:  # the trainers stopped early
-            return
+    weights = _ReceivedWeights(bridge, [tensor for _, tensor in named], schedule, ranks, validate)
+    weights.receive(starts[ranks[0]]["weights_step"], validating=False)
+    for step in range(starts[ranks[0]]["first_step"], schedule.last_step + 1):
+        if not weights.receive_through(weights_step(step, schedule.lag)):
+            return  # the trainers stopped early
         for rank in ranks:
-            groups, stats = generate(step, version, rank, sources[rank])
+            groups, stats = generate(step, weights.version, rank, sources[rank])
             bridge.put(f"batch/{step}/{rank}", {**batch_to_plain(groups, stats), "source": sources[rank].state_dict()})
+    weights.receive_through(schedule.last_step)  # the weights only validated, after the last batch
+
+
+class _ReceivedWeights:
+    """A generator's weights: the step and version they are of, received in the schedule's
+    order; the weights of a validated step are validated as soon as they arrive."""
+
+    def __init__(self, bridge: Bridge, tensors: list, schedule: Schedule, ranks: list[int], validate):
+        self.bridge, self.tensors, self.schedule, self.ranks, self.validate = bridge, tensors, schedule, ranks, validate
+        self.step, self.version = 0, None
+
+    def receive(self, step: int, validating: bool = True) -> bool:
+        """The weights after `step` (validated if the schedule says so and `validating`: not the
+        weights a run starts or resumes from, validated before); False when the trainers
+        stopped instead."""
+        self.version = _receive_weights(self.bridge, self.tensors, step)
+        self.step = step
+        if self.version is not None and validating and self.validate is not None and self.schedule.validated(step):
+            for rank in self.ranks:
+                self.bridge.put(f"eval/{step}/{rank}", dataclasses.asdict(self.validate(rank)))
+        return self.version is not None
+
+    def receive_through(self, step: int) -> bool:
+        """Every weights sent up to `step`, in order; False when the trainers stopped."""
+        while (following := self.schedule.next_send(self.step)) is not None and following <= step:
+            if not self.receive(following):
+                return False
+        return True
 
 
 @torch.no_grad()

@@ -29,7 +29,7 @@ from megatron_rl_bi.reporting.metrics import MetricsLogger
 from megatron_rl_bi.rl.evaluate import validation_terms
 from megatron_rl_bi.bridge import Bridge
 from megatron_rl_bi.rl.generation_ahead import GenerationAhead, staleness_terms
-from megatron_rl_bi.rl.generator_apart import RemoteGeneration
+from megatron_rl_bi.rl.generator_apart import RemoteGeneration, Schedule
 from megatron_rl_bi.rl.old_weights import KeptWeights
 from megatron_rl_bi.rl.rollouts import RolloutConfig, collect_rollouts, step_sampling
 from megatron_rl_bi.rl.sft import sft_step
@@ -238,11 +238,13 @@ def _save(step: int, weight_version: int, ddp, optimizer, lr_scheduler, source, 
         torch.distributed.barrier()
 
 
-def _rollout_batches(generator, bridge, optimizer, task, tokenizer, sampling, rollout_config, config):
+def _rollout_batches(generator, bridge, optimizer, task, tokenizer, sampling, rollout_config, config, validating):
     """This rank's prompt source and where its batches come from: its own engine, or with a
-    bridge the generator ranks (whose prompt position the source then only records)."""
+    bridge the generator ranks (whose prompt position the source then only records, and which
+    validate the weights when `validating`)."""
     if bridge is not None:
-        ahead = RemoteGeneration(bridge, config.generation_lag, config.steps)
+        interval = config.eval_interval if validating else 0
+        ahead = RemoteGeneration(bridge, Schedule(config.generation_lag, config.steps, interval))
         return ahead.source, ahead
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     source = PromptSource(task, config.seed, rank, world)
@@ -277,7 +279,8 @@ def run_rl(
     is checkpointed; `hf_model` is the checkpoint to export like (--save-hf); `eval_examples` the
     held-out prompts (--rl-eval-dataset); `bridge` the generator ranks' (--rl-generator-ranks),
     which then generate instead of `generator`."""
-    source, ahead = _rollout_batches(generator, bridge, optimizer, task, tokenizer, sampling, rollout_config, config)
+    source, ahead = _rollout_batches(generator, bridge, optimizer, task, tokenizer, sampling, rollout_config, config,
+                                     validating=bool(eval_examples))
     with _EarlyStop(config) as early_stop:
         start_step, weight_version = _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, ahead, task,
                                                         tokenizer, config, logger)
@@ -292,9 +295,12 @@ def run_rl(
             ahead.published(step, weight_version, ddp)
             kept.keep(weight_version, ddp)
             if eval_examples and _due(step, config.eval_interval, last=False):
-                with generating(optimizer, config.offload_optimizer_during_inference):
-                    terms = validation_terms(generator, eval_examples, tokenizer, sampling, config.seed,
-                                             rollout_config)
+                if bridge is not None:  # the generators validated the weights they were sent
+                    terms = ahead.validation(step)
+                else:
+                    with generating(optimizer, config.offload_optimizer_during_inference):
+                        terms = validation_terms(generator, eval_examples, tokenizer, sampling, config.seed,
+                                                 rollout_config)
                 metrics.update(all_reduce_metrics(terms))
             metrics["weight_version"] = weight_version
             metrics["time/eta_s"] = (time.time() - started) / (step - start_step) * (config.steps - step)

@@ -23,9 +23,10 @@ from megatron_rl_bi.config.from_args import (
     step_config_from_args,
 )
 from megatron_rl_bi.envs import build_task
+from megatron_rl_bi.envs.tasks import JsonlTask
 from megatron_rl_bi.optimizer import build_lr_scheduler
 from megatron_rl_bi.reporting.metrics import MetricsLogger, read_step_records
-from megatron_rl_bi.rl.generator_apart import rank_batches, serve_generation
+from megatron_rl_bi.rl.generator_apart import Schedule, rank_batches, rank_validation, serve_generation
 from megatron_rl_bi.rl import loop
 from megatron_rl_bi.rl.loop import run_rl
 
@@ -47,6 +48,10 @@ def _on_cpu() -> None:
     torch.cuda.max_memory_allocated = lambda: 0
 
 
+def _held_out(args) -> list | None:
+    return JsonlTask(args.rl_eval_dataset).examples if args.rl_eval_dataset else None
+
+
 def _train(args, generator=None, bridge=None) -> None:
     model = TinyDDP(vocab_size=TOK.vocab_size)
     optimizer = SGD(model)
@@ -54,8 +59,22 @@ def _train(args, generator=None, bridge=None) -> None:
     run_rl(ddp=model, optimizer=optimizer, generator=generator and generator(model), task=build_task("sort", 0),
            tokenizer=TOK, rollout_config=rollout_config_from_args(args), step_config=step_config_from_args(args),
            sampling=sampling_from_args(args, TOK.eod), config=loop_config_from_args(args), logger=logger,
-           lr_scheduler=build_lr_scheduler(args, optimizer), bridge=bridge)
+           lr_scheduler=build_lr_scheduler(args, optimizer), bridge=bridge, eval_examples=_held_out(args))
     logger.close()
+
+
+def _generate(bridge, args) -> None:
+    """The generator process: its own model, zeroed (the trainer's weights must arrive), its engine."""
+    model = TinyDDP(vocab_size=TOK.vocab_size)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+    engine, sampling, rollouts = ModelEngine(model), sampling_from_args(args, TOK.eod), rollout_config_from_args(args)
+    examples = _held_out(args)
+    validate = examples and rank_validation(engine, examples, TOK, sampling, args.seed, rollouts, 1)
+    schedule = Schedule(args.rl_generation_lag, args.train_iters, (args.eval_interval or 0) if validate else 0)
+    serve_generation(bridge, model, build_task("sort", 0), args.seed, schedule, rank_batches(engine, TOK, sampling, rollouts),
+                     validate or None)
 
 
 def _save(save_dir, step, ddp, optimizer, rl_state, keep_last=0) -> None:
@@ -86,14 +105,7 @@ def _process(index: int, ports: dict, args, silent_generator: bool) -> None:
     if index == 0:
         _train(args, bridge=bridge)
     elif not silent_generator:
-        model = TinyDDP(vocab_size=TOK.vocab_size)
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.zero_()  # the trainer's weights must arrive
-        generate = rank_batches(ModelEngine(model), TOK, sampling_from_args(args, TOK.eod),
-                                rollout_config_from_args(args))
-        serve_generation(bridge, model, build_task("sort", 0), args.seed, args.rl_generation_lag,
-                         args.train_iters, generate)
+        _generate(bridge, args)
     torch.distributed.destroy_process_group()
 
 
@@ -108,7 +120,10 @@ def _non_timing(records: dict) -> dict:
 
 @pytest.mark.parametrize("lag", [0, 2])
 def test_a_generator_apart_repeats_the_colocated_run(tmp_path, cpu_loop, lag):
-    flags = ["--train-iters", "5", "--rl-partial-rollouts", "--rl-generation-lag", str(lag)]
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text('{"prompt": "sort: cab\\n", "answer": "abc"}\n{"prompt": "sort: ba\\n", "answer": "ab"}\n')
+    flags = ["--train-iters", "5", "--rl-partial-rollouts", "--rl-generation-lag", str(lag),
+             "--rl-eval-dataset", str(held_out), "--eval-interval", "2"]
     colocated = _args(tmp_path, "colocated", flags)
     _train(colocated, generator=ModelEngine)
     apart = _args(tmp_path, "apart", flags + ["--rl-generator-ranks", "1"])
@@ -118,6 +133,8 @@ def test_a_generator_apart_repeats_the_colocated_run(tmp_path, cpu_loop, lag):
     assert [records[s]["bit_wise/logprob_diff/max"] == 0.0 for s in range(1, 6)] == [True] + [lag == 0] * 4
     if lag:
         assert [records[s]["rollouts/staleness"] for s in range(1, 6)] == [0, 1, 2, 2, 2]
+    # validated by the generator with the weights it was sent after steps 2 and 4
+    assert [("validation_reward/mean" in records[s]) for s in range(1, 6)] == [False, True, False, True, False]
 
 
 def test_a_run_stopped_and_resumed_repeats_the_uninterrupted_one(tmp_path):
@@ -156,10 +173,16 @@ def test_roles_split_the_processes_and_each_trainer_has_one_generator(monkeypatc
 
 @pytest.mark.parametrize("flags,message", [
     (["--rl-generator-ranks", "-1"], "--rl-generator-ranks must be >= 0"),
-    (["--rl-generator-ranks", "1", "--eval-interval", "2", "--rl-eval-dataset", "README.md"],
-     "--eval-interval with --rl-generator-ranks"),
     (["--rl-generator-ranks", "1", "--rl-generator-timeout", "0"], "--rl-generator-timeout must be > 0"),
 ])
 def test_generator_flags_that_cannot_work_are_refused(flags, message):
     with pytest.raises(ValueError, match=message):
         parse_rl_args(MODEL + flags)
+
+
+def test_the_weights_go_out_when_a_batch_or_a_validation_needs_them():
+    schedule = Schedule(lag=2, last_step=10, eval_interval=4)
+    # batches up to step 10 use the weights of steps up to 7; step 8 is validated
+    assert [s for s in range(1, 11) if schedule.sends_after(s)] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert (schedule.next_send(7), schedule.next_send(8), schedule.next_send(0)) == (8, None, 1)
+    assert [s for s in range(1, 11) if Schedule(lag=0, last_step=10).sends_after(s)] == list(range(1, 10))
