@@ -12,9 +12,10 @@ What goes over the bridge:
   refit/G/S          trainer rank 0 -> generator G: the weight version after step S (None: the
                      run stopped early), followed by the weights themselves over the weights group
   batch/S/R          generator -> trainer rank R: step S's batch and R's prompt position after it
+  eval/S/R           generator -> trainer rank R: R's share of the validation of step S's weights
 The trainer sends the weights after step S when some batch still to come is generated with them
-(S <= last step - 1 - L), from a copy taken after the update, on a thread of its own: it trains on
-while a generator finishes the batch it is on.
+(S <= last step - 1 - L) or when S is validated (`Schedule`), from a copy taken after the update,
+on a thread of its own: it trains on while a generator finishes the batch it is on.
 """
 
 import collections
