@@ -50,6 +50,8 @@ def test_lag_2_apart_repeats_the_colocated_window(tmp_path):
     colocated = _main_job(tmp_path, "colocated", LAG)
     apart = _main_job(tmp_path, "apart", LAG + ["--rl-generator-ranks", "1"], nproc=2)
     assert compare_metrics.differences(colocated, apart) == []
-    for record in apart.values():
-        assert record.get("bit_wise_fresh/logprob_diff/max", 0.0) == 0.0
-        assert record.get("bit_wise_versioned/logprob_diff/max", 0.0) == 0.0
+    assert any(record.get("bit_wise_versioned/tokens") for record in apart.values())
+    for record in apart.values():  # a pool with no token has no maximum (NaN): only those with tokens
+        for pool in ("bit_wise_fresh", "bit_wise_versioned"):
+            if record.get(f"{pool}/tokens"):
+                assert record[f"{pool}/logprob_diff/max"] == 0.0
