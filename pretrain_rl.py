@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl_bi import bi
+from megatron_rl_bi.bridge import Bridge, Roles, bridge_address, join_world, roles_from_environment
 from megatron_rl_bi.checkpoints.hf import HFModel, load_hf_weights, read_hf_model
 from megatron_rl_bi.checkpoints.megatron import latest_checkpoint, load_pretrained_weights, read_rl_state
 from megatron_rl_bi.config import installed_kernel_problem, parse_rl_args, print_arguments
@@ -28,7 +29,6 @@ from megatron_rl_bi.config.from_args import (
     sampling_from_args,
     step_config_from_args,
 )
-from megatron_rl_bi.bridge import Bridge, Roles, bridge_address, join_world, roles_from_environment
 from megatron_rl_bi.distributed import initialize_distributed
 from megatron_rl_bi.envs import build_task
 from megatron_rl_bi.envs.reward_fn import RewardFnTask, load_reward_fn, with_reward_fn
@@ -50,7 +50,7 @@ from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.optimizer import build_ddp_and_optimizer, build_lr_scheduler
 from megatron_rl_bi.reporting.metrics import MetricsLogger
 from megatron_rl_bi.reporting.provenance import provenance
-from megatron_rl_bi.rl.generator_apart import Schedule, rank_batches, rank_validation, serve_generation
+from megatron_rl_bi.rl.generator_apart import rank_batches, rank_validation, serve_generation
 from megatron_rl_bi.rl.loop import generating, run_rl
 
 
@@ -226,8 +226,7 @@ def generate_apart(inputs: RunInputs, bridge: Bridge) -> None:
         engine, sampling = Generator(model, engine_config), sampling_from_args(args, tokenizer.eod)
         validate = inputs.eval_examples and rank_validation(engine, inputs.eval_examples, tokenizer, sampling,
                                                             args.seed, inputs.rollout_config, inputs.roles.trainers)
-        schedule = Schedule(args.rl_generation_lag, args.train_iters, (args.eval_interval or 0) if validate else 0)
-        serve_generation(bridge, model, inputs.task, args.seed, schedule,
+        serve_generation(bridge, model, inputs.task, args.seed,
                          rank_batches(engine, tokenizer, sampling, inputs.rollout_config), validate or None)
 
 

@@ -17,6 +17,7 @@ from megatron_rl_bi.checkpoints.hf.config import megatron_flags, read_hf_model
 from megatron_rl_bi.checkpoints.megatron import resolve_checkpoint_dir
 from megatron_rl_bi.config.hf_args import add_hf_args, checkpoint_flag_errors
 from megatron_rl_bi.config.megatron_args import parse_args, raise_if_invalid
+from megatron_rl_bi.inference.engine import PREFIX_CACHING_ON_HYBRID
 
 RL_DEFAULTS = dict(
     # Megatron's RL flags, with defaults for a synchronous on-policy loop.
@@ -362,8 +363,7 @@ def memory_lever_errors(args: argparse.Namespace) -> list[str]:
         errors.append("--rl-offload-optimizer-during-inference needs --bf16 or --fp16: without them "
                       "the optimizer updates the model's own fp32 weights, which the engine needs")
     if args.inference_dynamic_batching_enable_prefix_caching and args.hybrid_layer_pattern:
-        errors.append("--inference-dynamic-batching-prefix-caching: not with hybrid GDN models (their layers "
-                      "keep no per-block states to resume a cached prefix from)")
+        errors.append(PREFIX_CACHING_ON_HYBRID)
     if args.rl_persist_cuda_graphs and args.rl_kv_cache_management_mode != "persist":
         errors.append("--rl-persist-cuda-graphs with --rl-kv-cache-management-mode "
                       f"{args.rl_kv_cache_management_mode} needs the cache at the same addresses "

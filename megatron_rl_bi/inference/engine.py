@@ -148,13 +148,17 @@ def gdn_inference_state_config(model: torch.nn.Module) -> MambaInferenceStateCon
     )
 
 
+PREFIX_CACHING_ON_HYBRID = ("--inference-dynamic-batching-prefix-caching: not with hybrid GDN models (their "
+                            "layers keep no per-block states to resume a cached prefix from)")
+
+
 def _check_prefix_caching(model: torch.nn.Module, config: EngineConfig) -> None:
-    """Prefix caching is refused where it would change what is computed or cannot resume."""
+    """Prefix caching is refused where it would change what is computed or cannot resume (the
+    flags' check refuses the hybrid case before any GPU work with the same message)."""
     if not config.prefix_caching:
         return
     if gdn_inference_state_config(model) is not None:
-        raise ValueError("--inference-dynamic-batching-prefix-caching: not with hybrid GDN models (their layers "
-                         "keep no per-block states to resume a cached prefix from)")
+        raise ValueError(PREFIX_CACHING_ON_HYBRID)
     if config.prompt_logprobs:
         raise ValueError("--inference-dynamic-batching-prefix-caching: a cached prefix gets no prompt logprobs")
 

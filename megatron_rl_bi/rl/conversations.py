@@ -7,7 +7,8 @@ Tokens stay tokens: nothing sampled is decoded and encoded again.
 Each turn of every open conversation is one engine generation over the conversation so far (the
 engine prefills what it already computed in an earlier turn, or with prefix caching reuses the
 blocks an earlier turn prefilled: batch invariance makes those rows equal to the decode rows they
-repeat, so the logprobs of every sampled token are the ones the trainer recomputes). The environment's calls of a turn run together, each on its own thread.
+repeat, so the logprobs of every sampled token are the ones the trainer recomputes). The
+environment's calls of a turn run together, each on its own thread.
 """
 
 import functools

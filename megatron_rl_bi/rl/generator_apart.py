@@ -8,7 +8,8 @@ bit, L = 0 included; only where the batches are generated, and when, differs.
 
 What goes over the bridge:
   start/R            trainer rank R -> its generator: the step whose weights come first, the
-                     first step to generate, and R's prompt position (a resumed run's)
+                     first step to generate, R's prompt position (a resumed run's) and the
+                     trainer's `Schedule`, which the generator follows
   refit/G/S          trainer rank 0 -> generator G: the weight version after step S (None: the
                      run stopped early), followed by the weights themselves over the weights group
   batch/S/R          generator -> trainer rank R: step S's batch and R's prompt position after it
@@ -40,7 +41,7 @@ from megatron_rl_bi.rl.rollouts import collect_rollouts, step_sampling
 class Schedule:
     """When the weights go to the generators: after every step whose weights generate a batch
     still to come (step <= last - 1 - lag), and after every step validated there
-    (--eval-interval); both sides read it alike."""
+    (--eval-interval). The trainer's travels in the start record: both sides read the same one."""
 
     lag: int
     last_step: int
@@ -87,7 +88,8 @@ class RemoteGeneration:
         its checkpoint holds) and sends it the weights to start from."""
         self.trained_step, self.received_step = step, step + len(self.pending)
         self.bridge.put(f"start/{self.rank}", {"weights_step": step, "first_step": self.received_step + 1,
-                                               "source": self.source.state_dict()})
+                                               "source": self.source.state_dict(),
+                                               "schedule": dataclasses.asdict(self.schedule)})
         if self.rank == 0:
             check_layout(self.bridge, weight_tensors(unwrap_model(module)), "generator")
         self._send(step, weight_version, module)
@@ -185,11 +187,10 @@ def rank_validation(engine, examples: list, tokenizer, sampling, seed: int, roll
     return validate
 
 
-def serve_generation(bridge: Bridge, module, task, seed: int, schedule: Schedule, generate,
-                     validate=None) -> None:
+def serve_generation(bridge: Bridge, module, task, seed: int, generate, validate=None) -> None:
     """A generator's whole run: the start record of each trainer rank it serves, the weights,
     every batch from the first step to the last with the weights its window asks for, and the
-    validation of the weights of each validated step.
+    validation of the weights of each validated step, as the trainers' schedule says.
     `generate(step, weight_version, trainer_rank, source)` -> (groups, stats);
     `validate(trainer_rank)` -> MetricTerms of that rank's share of the held-out set."""
     roles = bridge.roles
@@ -199,6 +200,7 @@ def serve_generation(bridge: Bridge, module, task, seed: int, schedule: Schedule
     for rank, start in starts.items():
         if start["source"] is not None:
             sources[rank].load_state_dict(start["source"])
+    schedule = Schedule(**starts[ranks[0]]["schedule"])
     named = weight_tensors(unwrap_model(module))
     check_layout(bridge, named, f"generator rank {roles.rank}")
     weights = _ReceivedWeights(bridge, [tensor for _, tensor in named], schedule, ranks, validate)

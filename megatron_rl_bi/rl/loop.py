@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from megatron.training.dist_signal_handler import DistributedSignalHandler
 
+from megatron_rl_bi.bridge import Bridge
 from megatron_rl_bi.checkpoints.hf import HFModel, export_hf
 from megatron_rl_bi.checkpoints.megatron import (
     iteration_dir_name,
@@ -27,7 +28,6 @@ from megatron_rl_bi.envs import PromptSource
 from megatron_rl_bi.inference import Generator, Sampling
 from megatron_rl_bi.reporting.metrics import MetricsLogger
 from megatron_rl_bi.rl.evaluate import validation_terms
-from megatron_rl_bi.bridge import Bridge
 from megatron_rl_bi.rl.generation_ahead import GenerationAhead, staleness_terms
 from megatron_rl_bi.rl.generator_apart import RemoteGeneration, Schedule
 from megatron_rl_bi.rl.old_weights import KeptWeights

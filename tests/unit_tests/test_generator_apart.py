@@ -72,8 +72,7 @@ def _generate(bridge, args) -> None:
     engine, sampling, rollouts = ModelEngine(model), sampling_from_args(args, TOK.eod), rollout_config_from_args(args)
     examples = _held_out(args)
     validate = examples and rank_validation(engine, examples, TOK, sampling, args.seed, rollouts, 1)
-    schedule = Schedule(args.rl_generation_lag, args.train_iters, (args.eval_interval or 0) if validate else 0)
-    serve_generation(bridge, model, build_task("sort", 0), args.seed, schedule, rank_batches(engine, TOK, sampling, rollouts),
+    serve_generation(bridge, model, build_task("sort", 0), args.seed, rank_batches(engine, TOK, sampling, rollouts),
                      validate or None)
 
 
