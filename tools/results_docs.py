@@ -189,6 +189,25 @@ def _memory_plan_table(*paths: str) -> str:
     return "\n".join(rows)
 
 
+def _plan_vs_run_table(*paths: str) -> str:
+    """RL runs: the memory plan in each run's header against the peaks its steps recorded: the
+    run's, and each phase's where the steps record it (`memory/peak_{generation,training}_gib`)."""
+    phases = (("generating", "peak_generation", "memory/peak_generation_gib"),
+              ("training", "peak_training", "memory/peak_training_gib"),
+              ("the run, its start included", "peak", "memory/peak_allocated_gib"))
+    rows = ["| file | peak | planned GiB | measured GiB (max over steps) | planned / measured |",
+            "| --- | --- | --- | --- | --- |"]
+    for path in paths:
+        report = load(path)
+        plan = report["runs"][0]["memory_plan"]
+        for name, planned_key, measured_key in phases:
+            measured = [r[measured_key] for r in report["steps"] if measured_key in r]
+            if measured:
+                rows.append(f"| `{os.path.basename(path)}` | {name} | {plan[planned_key]:.1f} | {max(measured):.1f} "
+                            f"| {plan[planned_key] / max(measured):.2f} |")
+    return "\n".join(rows)
+
+
 def _last_step_lines(path: str, plot: str) -> str:
     """The console's last lines of a pretrain_rl.py run: its last step's progress line, then
     the plot path tools/plot_metrics.py prints."""
@@ -201,7 +220,7 @@ def _last_step_lines(path: str, plot: str) -> str:
 
 TABLES = {"parity": _parity_table, "rl_runs": _rl_runs_table, "bench": _bench_table,
           "decode_tail": _decode_tail_table, "gdn_rule": _gdn_rule_table, "memory_bench": _memory_bench_table,
-          "memory_plans": _memory_plan_table,
+          "memory_plans": _memory_plan_table, "plan_vs_run": _plan_vs_run_table,
           "last_step_lines": _last_step_lines}
 
 

@@ -8,6 +8,7 @@ from megatron.training.vocab_utils import calculate_padded_vocab_size
 from megatron_rl_bi.envs.environment import build_environment
 from megatron_rl_bi.inference import EngineConfig, Sampling
 from megatron_rl_bi.memory import EngineShape, GIB, Levers, ModelShape, Recompute, RunShape
+from megatron_rl_bi.reporting.profiling import ProfileConfig
 from megatron_rl_bi.rl.loop import LoopConfig
 from megatron_rl_bi.rl.conversations import TurnConfig
 from megatron_rl_bi.rl.losses import LossConfig
@@ -110,7 +111,16 @@ def loop_config_from_args(args: argparse.Namespace) -> LoopConfig:
         exit_duration_s=(args.exit_duration_in_mins or 0) * 60,
         exit_signal=args.exit_signal if args.exit_signal_handler else None,
         offload_optimizer_during_inference=args.rl_offload_optimizer_during_inference,
+        profile=_profile_from_args(args),
     )
+
+
+def _profile_from_args(args: argparse.Namespace) -> ProfileConfig | None:
+    if not args.profile:
+        return None
+    return ProfileConfig(start=args.profile_step_start, end=args.profile_step_end, ranks=tuple(args.profile_ranks),
+                         output_dir=args.tensorboard_dir if args.use_pytorch_profiler else None,
+                         shapes=args.pytorch_profiler_collect_shapes, stack=args.pytorch_profiler_collect_callstack)
 
 
 def model_shape_from_args(args: argparse.Namespace, vocab_size: int) -> ModelShape:

@@ -244,6 +244,13 @@ UNUSED_MEGATRON_FLAGS = {
                                                                    "its last turn released: always lru here",
     "--rl-training-cuda-graphs": "the trainer runs eagerly; CUDA graphs are the engine's",
     "--rl-inference-tensor-model-parallel-size": "the engine runs on the trainer's module (TP = 1)",
+    "--rl-profile": "each step's phase times and peak memory are in --rl-metrics-jsonl; --profile traces steps",
+    "--nvtx-ranges": "no NVTX ranges are added; --profile marks the traced steps for nsys",
+    "--record-shapes": "it is for NVTX ranges, which are not added (--pytorch-profiler-collect-shapes)",
+    "--pytorch-profiler-collect-chakra": "--use-pytorch-profiler writes a trace and an op table",
+    "--record-memory-history": "each step records the peak of its generation and training phases beside "
+                               "the memory plan",
+    "--memory-snapshot-path": "it goes with --record-memory-history, which is not used",
 }
 
 
@@ -372,6 +379,24 @@ def memory_lever_errors(args: argparse.Namespace) -> list[str]:
     return errors
 
 
+def profile_errors(args: argparse.Namespace) -> list[str]:
+    """megatron's profiling flags that would trace nothing, or nowhere."""
+    start, end = args.profile_step_start, args.profile_step_end
+    if not args.profile:
+        return ["--use-pytorch-profiler needs --profile (with --profile-step-start and --profile-step-end: "
+                "the steps to trace)"] if args.use_pytorch_profiler else []
+    errors = []
+    if not 1 <= start < end:
+        errors.append(f"--profile-step-start {start} --profile-step-end {end}: the steps traced are "
+                      "[start, end), 1 <= start < end")
+    elif start > args.train_iters:
+        errors.append(f"--profile-step-start {start} is after the last step (--train-iters {args.train_iters}): "
+                      "nothing would be traced")
+    if args.use_pytorch_profiler and not args.tensorboard_dir:
+        errors.append("--use-pytorch-profiler writes each rank's trace and op table to --tensorboard-dir: give one")
+    return errors
+
+
 def generator_rank_errors(args: argparse.Namespace) -> list[str]:
     """What cannot work with --rl-generator-ranks."""
     errors = []
@@ -387,7 +412,7 @@ def generator_rank_errors(args: argparse.Namespace) -> list[str]:
 def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
     """One ValueError listing every bad RL flag (and `errors` found elsewhere)."""
     errors = [*errors, *bound_errors(args), *input_path_errors(args), *logger_package_errors(args),
-              *memory_lever_errors(args)]
+              *memory_lever_errors(args), *profile_errors(args)]
     if args.rl_env and args.rl_reward_fn:
         errors.append("--rl-reward-fn with --rl-env: the environment scores each conversation")
     if args.rl_task == "lookup" and args.rl_env != "search":

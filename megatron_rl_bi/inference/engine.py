@@ -75,8 +75,9 @@ class EngineConfig:
     (the GDN layers keep no per-block states to resume from)."""
     kv_cache_management_mode: str = "persist"
     """megatron-core's KVCacheManagementMode between generations (--rl-kv-cache-management-mode):
-    'persist' keeps the cache allocated; 'recompute' frees it (and GDN states) when a generation
-    ends and allocates it again (capturing the CUDA graphs again) when the next one starts."""
+    'persist' keeps the cache allocated; 'recompute' frees it (and GDN states) once the engine is
+    built and when a generation ends, and allocates it again (capturing the CUDA graphs again)
+    when the next one starts."""
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -218,6 +219,9 @@ class Generator:
         finally:
             InferenceMode.unset_active()
             model.train(was_training)
+        # Left as after a generation: the cache (sized for the generation phase) must not meet
+        # the optimizer state that comes back to the GPU once the engine is built.
+        self._release_cache()
 
     def check_prompt_lengths(self, lengths: list[int]) -> None:
         limit = self.config.max_prompt_tokens

@@ -26,7 +26,9 @@ from megatron_rl_bi.checkpoints.megatron import (
 from megatron_rl_bi.distributed import MetricTerms, all_reduce_metrics
 from megatron_rl_bi.envs import PromptSource
 from megatron_rl_bi.inference import Generator, Sampling
+from megatron_rl_bi.reporting.gpu_memory import PeakMemory
 from megatron_rl_bi.reporting.metrics import MetricsLogger
+from megatron_rl_bi.reporting.profiling import ProfileConfig, StepProfiler
 from megatron_rl_bi.rl.evaluate import validation_terms
 from megatron_rl_bi.rl.generation_ahead import GenerationAhead, staleness_terms
 from megatron_rl_bi.rl.generator_apart import RemoteGeneration, Schedule
@@ -87,6 +89,8 @@ class LoopConfig:
     offload_optimizer_during_inference: bool = False
     """The optimizer's GPU state (fp32 main weights, Adam moments) waits on the CPU while the
     engine generates (--rl-offload-optimizer-during-inference; megatron-core's offload_to_cpu)."""
+    profile: ProfileConfig | None = None
+    """Steps to trace (--profile and its flags: reporting/profiling.py); None: none."""
 
 
 @contextlib.contextmanager
@@ -158,23 +162,29 @@ def _restore_lr_schedule(lr_scheduler, state: dict, load_dir: str) -> None:
 
 
 def _rl_step(ddp, optimizer, ahead: GenerationAhead, step: int, step_config, weight_version, ref_model,
-             lr_scheduler, kept: KeptWeights) -> dict:
+             lr_scheduler, kept: KeptWeights, peak_memory: PeakMemory) -> dict:
     """Take the step's rollouts (generating what is due), update; the step's global metrics with
-    its timings (generation: what this step spent generating)."""
+    its timings (generation: what this step spent generating; training: the update, the
+    trainer's forward and backward included) and each phase's peak memory."""
     step_start = time.time()
-    groups, stats, generation_s = ahead.take(step, weight_version)
+    peaks = {}
+    with peak_memory.phase("generation", peaks):
+        groups, stats, generation_s = ahead.take(step, weight_version)
     rollouts = [r for group in groups for r in group]
     if ahead.lag:
         stats.update(staleness_terms(rollouts, weight_version))
-    metrics = train_on_rollouts(ddp, optimizer, rollouts, step_config, ref_model, lr_scheduler, weight_version,
-                                kept)
-    torch.cuda.synchronize()
-    step_s = time.time() - step_start
+    training_start = time.time()
+    with peak_memory.phase("training", peaks):
+        metrics = train_on_rollouts(ddp, optimizer, rollouts, step_config, ref_model, lr_scheduler, weight_version,
+                                    kept)
+        torch.cuda.synchronize()
+    step_end = time.time()
+    step_s, training_s = step_end - step_start, step_end - training_start
     stats.sums["tokens"] = sum(len(r.tokens) for r in rollouts)
-    stats.maxima["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    stats.maxima.update(peaks)
     metrics.update(all_reduce_metrics(stats))
     tokens = metrics.pop("tokens")
-    metrics.update({"time/step_s": step_s, "time/generation_s": generation_s,
+    metrics.update({"time/step_s": step_s, "time/generation_s": generation_s, "time/training_s": training_s,
                     "throughput/tokens_per_s": tokens / step_s})
     return metrics
 
@@ -287,10 +297,12 @@ def run_rl(
         ahead.start(start_step, weight_version, ddp)
         kept = KeptWeights(config.keep_old_weights)
         kept.keep(weight_version, ddp)
-        started = time.time()
+        started, peak_memory = time.time(), PeakMemory()
+        profiler = StepProfiler(config.profile, torch.distributed.get_rank())
         for step in range(start_step + 1, config.steps + 1):
-            metrics = _rl_step(ddp, optimizer, ahead, step, step_config, weight_version, ref_model, lr_scheduler,
-                               kept)
+            with profiler.step(step):
+                metrics = _rl_step(ddp, optimizer, ahead, step, step_config, weight_version, ref_model,
+                                   lr_scheduler, kept, peak_memory)
             weight_version += metrics["optimizer_steps"]
             ahead.published(step, weight_version, ddp)
             kept.keep(weight_version, ddp)
@@ -313,4 +325,5 @@ def run_rl(
                 if logger:
                     print(f"{reason}: stopping after step {step}", flush=True)
                 break
+        profiler.finish()
         ahead.finish()

@@ -4,6 +4,7 @@ sits in a region that names its file and key, and says what the file says
 results/README.md names, for every file, the commit stamped in it."""
 
 import importlib.util
+import json
 import os
 import pathlib
 import re
@@ -108,3 +109,21 @@ def test_results_readme_names_every_file_and_its_stamped_commit():
                 wrong += [f"{name}: stamped {c[:12]}, the table says {commit}" for c in stamped
                           if not c.startswith(commit)]
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_plan_against_the_run(tmp_path):
+    plan = {"peak_generation": 10.0, "peak_training": 6.0, "peak": 10.0}
+    records = [{"run": {"memory_plan": plan}},
+               {"step": 1, "memory/peak_generation_gib": 8.0, "memory/peak_training_gib": 5.0,
+                "memory/peak_allocated_gib": 12.5},
+               {"step": 2, "memory/peak_generation_gib": 8.0, "memory/peak_training_gib": 6.0,
+                "memory/peak_allocated_gib": 12.5}]
+    path = tmp_path / "run.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    older = tmp_path / "older.jsonl"  # steps without the phases' peaks
+    older.write_text(json.dumps(records[0]) + "\n" + json.dumps({"step": 1, "memory/peak_allocated_gib": 8.0}) + "\n")
+    assert results_docs.TABLES["plan_vs_run"](str(path), str(older)).splitlines()[2:] == [
+        "| `run.jsonl` | generating | 10.0 | 8.0 | 1.25 |",
+        "| `run.jsonl` | training | 6.0 | 6.0 | 1.00 |",
+        "| `run.jsonl` | the run, its start included | 10.0 | 12.5 | 0.80 |",
+        "| `older.jsonl` | the run, its start included | 10.0 | 8.0 | 1.25 |"]

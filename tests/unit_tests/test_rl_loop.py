@@ -55,6 +55,7 @@ def cpu_loop(gloo_group, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
 
 
 def _run(tmp_path, flags, eval_examples=None) -> dict[int, dict]:

@@ -1,0 +1,76 @@
+"""megatron's profiling flags in the RL loop. Steps [--profile-step-start, --profile-step-end) of
+the ranks in --profile-ranks (every rank when empty) are traced, generation and training both:
+- `--profile`: the CUDA profiler API marks the steps, for `nsys profile
+  --capture-range=cudaProfilerApi --capture-range-end=stop`;
+- `--profile --use-pytorch-profiler`: torch.profiler records them; each rank writes its trace
+  (Perfetto or chrome://tracing) and a table of the ops that took the most GPU time into
+  --tensorboard-dir."""
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    start: int
+    """The first profiled step (--profile-step-start)."""
+    end: int
+    """The step after the last profiled one (--profile-step-end)."""
+    ranks: tuple[int, ...] = ()
+    """The profiled ranks (--profile-ranks); empty: every rank."""
+    output_dir: str | None = None
+    """torch.profiler's trace and table go here (--tensorboard-dir); None: nsys."""
+    shapes: bool = False
+    """Input shapes of each op (--pytorch-profiler-collect-shapes)."""
+    stack: bool = False
+    """Python call stacks (--pytorch-profiler-collect-callstack)."""
+
+
+class StepProfiler:
+    def __init__(self, config: ProfileConfig | None, rank: int):
+        self.config = config if config and (not config.ranks or rank in config.ranks) else None
+        self.rank = rank
+        self.recording = None  # torch.profiler.profile while it records, True for nsys
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        """One RL step, profiled when it is in the configured range."""
+        if self.config and step == self.config.start:
+            self._start()
+        yield
+        if self.config and step == self.config.end - 1:
+            self.finish()
+
+    def _start(self) -> None:
+        if self.config.output_dir is None:
+            torch.cuda.cudart().cudaProfilerStart()
+            self.recording = True
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.recording = torch.profiler.profile(activities=activities, record_shapes=self.config.shapes,
+                                                with_stack=self.config.stack)
+        self.recording.start()
+
+    def finish(self) -> None:
+        """Ends the profile, if one is recording (also when the run stops inside the range)."""
+        if self.recording is None:
+            return
+        recording, self.recording = self.recording, None
+        if recording is True:
+            torch.cuda.cudart().cudaProfilerStop()
+            return
+        recording.stop()
+        os.makedirs(self.config.output_dir, exist_ok=True)
+        name = os.path.join(self.config.output_dir, f"profile_rank{self.rank}_steps{self.config.start}-"
+                                                    f"{self.config.end - 1}")
+        recording.export_chrome_trace(name + ".json.gz")
+        sort_by = "device_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        with open(name + ".txt", "w") as table:
+            table.write(recording.key_averages().table(sort_by=sort_by, row_limit=40) + "\n")
+        print(f"profile of steps {self.config.start}-{self.config.end - 1}: {name}.json.gz, {name}.txt",
+              flush=True)
