@@ -51,7 +51,8 @@ from megatron_rl_bi.optimizer import build_ddp_and_optimizer, build_lr_scheduler
 from megatron_rl_bi.reporting.metrics import MetricsLogger
 from megatron_rl_bi.reporting.provenance import provenance
 from megatron_rl_bi.rl.generator_apart import rank_batches, rank_validation, serve_generation
-from megatron_rl_bi.rl.loop import generating, run_rl
+from megatron_rl_bi.rl.loop import run_rl
+from megatron_rl_bi.rl.optimizer_offload import generating
 
 
 def build_reference_model(args: argparse.Namespace, policy) -> torch.nn.Module:

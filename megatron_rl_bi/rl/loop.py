@@ -7,7 +7,6 @@ ranks by Megatron's DDP. Every step's sampling seed is a function of (seed, step
 resumed from a checkpoint repeats the uninterrupted one.
 """
 
-import contextlib
 import os
 import signal
 import time
@@ -33,6 +32,7 @@ from megatron_rl_bi.rl.evaluate import validation_terms
 from megatron_rl_bi.rl.generation_ahead import GenerationAhead, staleness_terms
 from megatron_rl_bi.rl.generator_apart import RemoteGeneration, Schedule
 from megatron_rl_bi.rl.old_weights import KeptWeights
+from megatron_rl_bi.rl.optimizer_offload import generating
 from megatron_rl_bi.rl.rollouts import RolloutConfig, collect_rollouts, step_sampling
 from megatron_rl_bi.rl.sft import sft_step
 from megatron_rl_bi.rl.step import StepConfig, train_on_rollouts
@@ -87,25 +87,10 @@ class LoopConfig:
     """Weight versions kept on the CPU to recompute stale rollouts under the weights that sampled
     them (--rl-keep-old-weights)."""
     offload_optimizer_during_inference: bool = False
-    """The optimizer's GPU state (fp32 main weights, Adam moments) waits on the CPU while the
-    engine generates (--rl-offload-optimizer-during-inference; megatron-core's offload_to_cpu)."""
+    """The optimizer's GPU state (fp32 main weights, Adam moments) waits in page-locked host memory
+    while the engine generates (--rl-offload-optimizer-during-inference; rl/optimizer_offload.py)."""
     profile: ProfileConfig | None = None
     """Steps to trace (--profile and its flags: reporting/profiling.py); None: none."""
-
-
-@contextlib.contextmanager
-def generating(optimizer, offload_optimizer: bool):
-    """The engine's phase (its build and each generation): with `offload_optimizer`
-    (--rl-offload-optimizer-during-inference) the optimizer's state is on the CPU for its
-    duration (moved, not recomputed: the bits come back as they went)."""
-    if not offload_optimizer:
-        yield
-        return
-    optimizer.offload_to_cpu()
-    try:
-        yield
-    finally:
-        optimizer.restore_from_cpu()
 
 
 def _sft_warmup(ddp, optimizer, task, tokenizer, config: LoopConfig, logger) -> None:

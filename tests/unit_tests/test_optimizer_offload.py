@@ -1,0 +1,40 @@
+"""Which tensors wait on the host while the engine generates (rl/optimizer_offload.py), on CPU:
+each inner optimizer's parameters and the tensors of their state, as megatron-core's
+offload_to_cpu moves them; the round trip itself is a GPU test (tests/gpu/test_memory_levers.py)."""
+
+import torch
+
+from megatron_rl_bi.rl.optimizer_offload import optimizer_tensor_slots
+
+
+class _Inner:
+    def __init__(self, optimizer, stub=False):
+        self.optimizer, self.is_stub_optimizer = optimizer, stub
+
+
+def _adam(*sizes) -> torch.optim.Adam:
+    params = [torch.nn.Parameter(torch.ones(n)) for n in sizes]
+    adam = torch.optim.Adam(params)
+    for param in params:
+        param.grad = torch.ones(param.shape)
+    adam.step()
+    return adam
+
+
+def test_the_slots_are_each_inner_optimizers_parameters_and_state_tensors():
+    first, second = _adam(3, 5), _adam(7)
+    first.state[first.param_groups[0]["params"][0]]["note"] = "not a tensor"
+    chained = type("Chained", (), {})()
+    chained.chained_optimizers = [_Inner(first), _Inner(_adam(11), stub=True), _Inner(second)]
+    slots = optimizer_tensor_slots(chained)
+    params = first.param_groups[0]["params"] + second.param_groups[0]["params"]
+    assert [holder for holder, key in slots if key is None] == params
+    state_keys = [key for holder, key in slots if key is not None]
+    assert state_keys == ["step", "exp_avg", "exp_avg_sq"] * 3
+    assert [holder for holder, key in slots if key == "exp_avg"] == [first.state[p] for p in params[:2]] + \
+        [second.state[params[2]]]
+
+
+def test_a_plain_optimizer_is_its_own_inner_one():
+    adam = _adam(4)
+    assert len(optimizer_tensor_slots(_Inner(adam))) == 1 + 3
