@@ -2,7 +2,8 @@
 chunked backward) against the chunked alternatives that run here: megatron-core's torch chunked
 rule under autograd (what its deterministic mode trains with), fla's chunked forward, and fla's
 chunked step; where fla refuses its chunked backward (Hopper with Triton 3.4-3.7.0), that step with
-the refusal lifted (`guard_lifted_*`), and how far its gradients are from the torch rule's.
+the refusal lifted (`guard_lifted_*`), and how far its gradients are from the torch rule's; and the
+step layers train with (the 'auto' backward: which one it chose, and its time).
 
   python bench/gdn_rule.py --output results/bench_gdn_rule_h200.json
 """
@@ -19,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.report import seconds, write_report  # noqa: E402
 
 from megatron_rl_bi import compat  # noqa: E402
+from megatron_rl_bi.models import gdn_rule  # noqa: E402
 from megatron_rl_bi.models.gdn_rule import chunked_gated_delta_rule, gated_delta_rule  # noqa: E402
 from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
 
@@ -69,6 +71,10 @@ def measure(tokens, sequences, heads, dim) -> dict:
         with compat.fla_hopper_backward_guard_lifted():
             ms.update({f"guard_lifted_{key}": value for key, value in _fla_backward(step, chunk_gated_delta_rule).items()})
             ms["guard_lifted_gradient_error"] = _gradient_error(inputs, step)
+    ms["auto_backend"] = gdn_rule.chunk_backward_backend("auto", inputs[0], inputs[2], inputs[3], inputs[4])
+    ms["bi_step_auto_ms"] = 1000 * seconds(lambda: step(partial(gated_delta_rule, chunk_backend="auto")), 10)
+    fla_step = ms.get("fla_chunk_step_ms", ms.get("guard_lifted_fla_chunk_step_ms"))
+    ms["ratio_bi_step_auto_vs_fla_chunk_step"] = ms["bi_step_auto_ms"] / fla_step
     return ms
 
 

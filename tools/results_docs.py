@@ -155,6 +155,7 @@ def _gdn_rule_table(*paths: str) -> str:
     names = {"recurrent_forward_ms": "fla recurrent forward (BI)", "fla_chunk_forward_ms": "fla chunked forward",
              "bi_step_torch_backward_ms": "BI step: recurrent forward + torch chunked backward",
              "bi_step_fla_backward_ms": "BI step: recurrent forward + fla chunked backward",
+             "bi_step_auto_ms": "BI step: recurrent forward + the backward layers train with ('auto')",
              "fla_chunk_step_ms": "fla chunked forward + backward",
              "torch_chunked_step_ms": "torch chunked forward + backward (megatron-core's deterministic rule)"}
     rows = ["| file | Triton | | ms |", "| --- | --- | --- | --- |"]

@@ -26,7 +26,7 @@ from megatron.core.inference.contexts.attention_context.triton.tensor_ops import
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from megatron.core.utils import deprecate_inference_params
 
-from megatron_rl_bi import bi, compat
+from megatron_rl_bi import bi
 from megatron_rl_bi.models.gdn_rule import gated_delta_rule
 from megatron_rl_bi.packing import uniform_cu_seqlens
 
@@ -36,8 +36,7 @@ class SwitchedGatedDeltaNet(GatedDeltaNet):
         super()._setup_variant_attrs()
         if self.tp_size != 1 or self.cp_size != 1 or self.config.sequence_parallel:
             raise ValueError("SwitchedGatedDeltaNet supports TP = CP = 1 without sequence parallel")
-        backend = "fla" if compat.fla_chunk_backward_works() else "torch"
-        self.gated_delta_rule = partial(gated_delta_rule, chunk_backend=backend)
+        self.gated_delta_rule = partial(gated_delta_rule, chunk_backend="auto")
 
     def forward(
         self,

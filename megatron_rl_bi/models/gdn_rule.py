@@ -15,19 +15,27 @@ sequence). fla compiles a different variant without it, whose bits differ (measu
 
 Chunked backends: 'torch' (megatron-core's `torch_chunk_gated_delta_rule`, fp32, runs anywhere;
 packed sequences are zero-padded into one batch, which leaves outputs and final states unchanged:
-a zero key with zero beta and zero log-decay does not touch the state) and 'fla' (fla's
+a zero key with zero beta and zero log-decay does not touch the state), 'fla' (fla's
 `chunk_gated_delta_rule` and its Triton backward, varlen-native; fla 0.6.0 refuses it on Hopper
-with Triton >= 3.4 and < 3.7.1, see `compat.fla_chunk_backward_works`).
+with Triton >= 3.4 and < 3.7.1, see `compat.fla_chunk_backward_works`), and 'auto' (what layers
+train with): fla's on a GPU where its gradients are right (`fla_backward_checked`), else torch's.
 """
+
+import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+from megatron_rl_bi import compat
 from megatron_rl_bi.packing import sequence_lengths
 
 FORWARD_KERNELS = ("recurrent", "chunk")
-CHUNK_BACKENDS = ("torch", "fla")
+CHUNK_BACKENDS = ("torch", "fla", "auto")
+# fla's bf16 kernels against the fp32 torch rule: their rounding stays below this share of the
+# largest gradient; the miscompile of fla issue 640 gives errors of the gradients' own size.
+CHECK_RELATIVE_ERROR = 0.05
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -71,6 +79,66 @@ def chunked_gated_delta_rule(q, k, v, g, beta, initial_state, scale, cu_seqlens,
     return _torch_chunked(q, k, v, g, beta, initial_state, scale, cu_seqlens)
 
 
+def _check_inputs(heads, key_dim, value_dim, dtypes, lengths=(100, 300, 624)):
+    """A packed random problem of the layer's sizes and dtypes (q, k, v, g, beta), on the GPU."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    tokens = sum(lengths)
+
+    def rand(*shape, dtype=torch.float32):
+        return torch.randn(*shape, device="cuda", generator=generator).to(dtype)
+
+    q, k = (_l2norm(rand(1, tokens, heads, key_dim)).to(dtypes[0]) for _ in range(2))
+    v = rand(1, tokens, heads, value_dim, dtype=dtypes[0])
+    g = (-0.1 * rand(1, tokens, heads).abs()).to(dtypes[1])
+    beta = torch.sigmoid(rand(1, tokens, heads)).to(dtypes[2])
+    state = 0.1 * rand(len(lengths), heads, key_dim, value_dim)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    return [q, k, v, g, beta, state], cu
+
+
+def _gradients(inputs, cu, backend) -> list[torch.Tensor]:
+    """Each input's gradient through the chunked rule of `backend`, under seeded cotangents."""
+    inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
+    with torch.enable_grad():  # called from a backward, where autograd is off
+        out, state = chunked_gated_delta_rule(*inputs, inputs[0].shape[-1] ** -0.5, cu, False, backend)
+        generator = torch.Generator(device=out.device).manual_seed(1)
+        cotangents = [torch.randn(t.shape, device=t.device, generator=generator).to(t.dtype) for t in (out, state)]
+        return list(torch.autograd.grad([out, state], inputs, cotangents))
+
+
+@functools.cache
+def fla_backward_checked(heads: int, key_dim: int, value_dim: int, dtypes: tuple) -> bool:
+    """Whether fla's chunked backward may train a layer of these sizes and dtypes here. Where fla
+    runs it itself, yes. Where fla 0.6.0 refuses it (Hopper with Triton >= 3.4 and < 3.7.1: fla
+    issue 640, a miscompile of chunk_bwd_kernel_dqkwg found at key tiles of 64; on Hopper fla
+    tiles keys of 128 whole), the refused backward runs once on a packed random problem and is
+    kept only if every gradient is within CHECK_RELATIVE_ERROR of the torch rule's. The kernels
+    it compiled and autotuned there are the ones training runs: their autotune keys are the
+    sizes and dtypes, not the lengths."""
+    if compat.fla_chunk_backward_works():
+        return True
+    inputs, cu = _check_inputs(heads, key_dim, value_dim, dtypes)
+    with compat.fla_hopper_backward_guard_lifted():
+        fla = _gradients(inputs, cu, "fla")
+    reference = _gradients(inputs, cu, "torch")
+    return all(relative_error(a, b) <= CHECK_RELATIVE_ERROR for a, b in zip(fla, reference))
+
+
+def relative_error(got: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |got - reference| / max |reference|."""
+    return ((got.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+
+
+def chunk_backward_backend(backend: str, q, v, g, beta) -> str:
+    """'auto': fla's backward on a GPU where it is right for these tensors, else the torch rule."""
+    if backend != "auto":
+        return backend
+    if not q.is_cuda:  # fla's chunked kernels have no CPU path
+        return "torch"
+    dtypes = (q.dtype, g.dtype, beta.dtype)
+    return "fla" if fla_backward_checked(q.shape[2], q.shape[3], v.shape[3], dtypes) else "torch"
+
+
 class _KernelForwardChunkedBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, use_l2, forward, backend):
@@ -82,8 +150,11 @@ class _KernelForwardChunkedBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_final_state):
         inputs = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]
-        with torch.enable_grad():
-            out, final_state = chunked_gated_delta_rule(*inputs, *ctx.args)
+        scale, cu_seqlens, use_l2, backend = ctx.args
+        backend = chunk_backward_backend(backend, *[inputs[i] for i in (0, 2, 3, 4)])
+        refused = backend == "fla" and not compat.fla_chunk_backward_works()
+        with torch.enable_grad(), (compat.fla_hopper_backward_guard_lifted() if refused else contextlib.nullcontext()):
+            out, final_state = chunked_gated_delta_rule(*inputs, scale, cu_seqlens, use_l2, backend)
             outputs, grads = [out], [d_out]
             if d_final_state is not None:
                 outputs.append(final_state)
@@ -121,7 +192,8 @@ def gated_delta_rule(
         initial_state = q.new_zeros(num_sequences, v.shape[2], q.shape[-1], v.shape[-1],
                                     dtype=torch.float32)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if forward == "chunk" and chunk_backend == "fla":
+    fla_throughout = chunk_backend == "fla" or (chunk_backend == "auto" and q.is_cuda and compat.fla_chunk_backward_works())
+    if forward == "chunk" and fla_throughout:
         out, final_state = _fla("chunk", q, k, v, g, beta, initial_state, scale, cu_seqlens,
                                 use_qk_l2norm_in_kernel)
     else:

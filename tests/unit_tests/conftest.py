@@ -110,12 +110,11 @@ def torch_varlen_attention(q, k, v, cu_seqlens_q, softmax_scale, causal, **unuse
 def cpu_forward(cpu_training, single_config_autotune, monkeypatch):
     """cpu_training, and the forward and backward too: attention runs the torch reference of
     FlashAttention's varlen call, GDN fla's recurrent kernel (in the Triton interpreter) and the
-    torch chunked backward (fla's chunked kernels have no interpreter path)."""
-    from megatron_rl_bi import compat
+    torch chunked backward (fla's chunked kernels have no CPU path: models/gdn_rule.py's 'auto'
+    backend takes the torch rule for CPU tensors)."""
     from megatron_rl_bi.attention import flash
     from megatron_rl_bi.models.gdn import SwitchedGatedDeltaNet
 
     monkeypatch.setattr(flash, "flash_varlen_function", lambda version: torch_varlen_attention)
-    monkeypatch.setattr(compat, "fla_chunk_backward_works", lambda: False)
     monkeypatch.setattr(SwitchedGatedDeltaNet, "_recurrent", staticmethod(lambda decode_only: True))
     yield cpu_training

@@ -7,6 +7,7 @@ import torch
 from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 
+from megatron_rl_bi.models import gdn_rule
 from megatron_rl_bi.models.gdn_rule import gated_delta_rule
 
 
@@ -119,3 +120,47 @@ def test_bad_arguments():
         gated_delta_rule(q, k, v, g, beta, forward="parallel")
     with pytest.raises(ValueError, match="expand q/k heads"):
         gated_delta_rule(q, k, torch.randn(1, 4, 4, 16), g, beta)
+
+
+def test_auto_backend_takes_the_torch_rule_for_cpu_tensors():
+    q = torch.zeros(1, 4, 2, 8)
+    assert gdn_rule.chunk_backward_backend("auto", q, q, q[..., 0], q[..., 0]) == "torch"
+    assert gdn_rule.chunk_backward_backend("fla", q, q, q[..., 0], q[..., 0]) == "fla"
+
+
+@pytest.mark.parametrize("error, kept", [(0.01, True), (0.049, True), (0.5, False)])
+def test_a_refused_fla_backward_is_kept_only_with_the_torch_rules_gradients(monkeypatch, error, kept):
+    """Where fla refuses its backward, it is run once against the torch rule: an error of the
+    gradients' own size (fla issue 640's miscompile) keeps the torch rule."""
+    reference = [torch.tensor([1.0, -2.0]), torch.tensor([0.5, 4.0])]
+    ran = []
+
+    def gradients(inputs, cu, backend):
+        ran.append((backend, fla_guard_lifted()))
+        scale = 1 + error if backend == "fla" else 1
+        return [scale * t for t in reference]
+
+    def fla_guard_lifted():
+        import fla.ops.common.chunk_o as chunk_o
+
+        return chunk_o.TRITON_ABOVE_3_7_1
+
+    monkeypatch.setattr(gdn_rule.compat, "fla_chunk_backward_works", lambda: False)
+    monkeypatch.setattr(gdn_rule, "_check_inputs", lambda *args: ([], None))
+    monkeypatch.setattr(gdn_rule, "_gradients", gradients)
+    gdn_rule.fla_backward_checked.cache_clear()
+    try:
+        assert gdn_rule.fla_backward_checked(2, 128, 128, (torch.bfloat16,) * 3) is kept
+    finally:
+        gdn_rule.fla_backward_checked.cache_clear()
+    assert ran == [("fla", True), ("torch", fla_guard_lifted())]
+
+
+def test_where_fla_runs_its_backward_itself_nothing_is_checked(monkeypatch):
+    monkeypatch.setattr(gdn_rule.compat, "fla_chunk_backward_works", lambda: True)
+    monkeypatch.setattr(gdn_rule, "_gradients", lambda *args: pytest.fail("no check where fla allows itself"))
+    gdn_rule.fla_backward_checked.cache_clear()
+    try:
+        assert gdn_rule.fla_backward_checked(2, 64, 64, (torch.bfloat16,) * 3)
+    finally:
+        gdn_rule.fla_backward_checked.cache_clear()
