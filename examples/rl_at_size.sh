@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # A reference recipe at its real size (8 prompts x 16 samples, 8,192-token cap) on random weights
-# of the published configuration, one GPU: the recipe as a user runs it, with the sizing reward
-# (random weights answer every prompt wrong, and DAPO's dynamic sampling would drop every group)
-# and the memory plan of the same flags written beside the run's step records.
-# Usage: bash examples/rl_at_size.sh qwen3-4b|qwen3.5-9b [STEPS] [LAYERS] [extra flags]
+# of the published configuration, one GPU unless NPROC says more: the recipe as a user runs it,
+# with the sizing reward (random weights answer every prompt wrong, and DAPO's dynamic sampling
+# would drop every group) and the memory plan of the same flags beside the run's step records.
+# Usage: [NPROC=N] bash examples/rl_at_size.sh qwen3-4b|qwen3.5-9b [STEPS] [LAYERS] [extra flags]
 #   LAYERS: the preset's widths at fewer layers (tools/random_hf_checkpoint.py --num-hidden-layers)
+#   NPROC: processes (GPUs), 1 by default; e.g. NPROC=2 with --rl-generator-ranks 1 --refit-method nccl
+#   for a trainer GPU and a generator GPU, or with --use-distributed-optimizer for data parallelism
 # Writes runs/PRESET[_LAYERSl]_8k/: hf/, memory_plan.json, metrics.jsonl, run.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +22,7 @@ flags=(--recipe "$recipe" --hf-checkpoint "$run/hf" --rl-dataset "$run/math.json
        --batch-invariant-mode --flash-attention-version 4
        --rl-reward-fn examples/reward_fns/number_share.py:number_share
        --train-iters "$steps" --save-interval 0 --save-hf-interval 0 "$@")
-python tools/memory_plan.py --plan-gpus 1 --plan-output "$run/memory_plan.json" "${flags[@]}"
+python tools/memory_plan.py --plan-gpus "${NPROC:-1}" --plan-output "$run/memory_plan.json" "${flags[@]}"
 rm -f "$run/metrics.jsonl"
-torchrun --nproc-per-node 1 pretrain_rl.py "${flags[@]}" --rl-metrics-jsonl "$run/metrics.jsonl" 2>&1 \
+torchrun --nproc-per-node "${NPROC:-1}" pretrain_rl.py "${flags[@]}" --rl-metrics-jsonl "$run/metrics.jsonl" 2>&1 \
   | tee "$run/run.log"
