@@ -171,8 +171,9 @@ def train_on_rollouts(
     kept: KeptWeights | None = None,
 ) -> dict[str, float]:
     """Updates the model; returns global metrics (parity, loss, clip, grad norm, the optimizer
-    steps taken, the fraction of mini-batches skipped for having no completion token on any
-    rank: e.g. dynamic sampling kept no group, or fewer rollouts than --grpo-iterations).
+    steps taken, the micro-batches trained on all ranks, the fraction of mini-batches skipped for
+    having no completion token on any rank: e.g. dynamic sampling kept no group, or fewer
+    rollouts than --grpo-iterations).
     `lr_scheduler` (megatron-core's OptimizerParamScheduler) steps once per optimizer update;
     `weight_version` (the model's optimizer steps so far) tells rollouts of older weights apart;
     those whose weights are `kept` are also recomputed under them (`bit_wise_versioned/*`)."""
@@ -200,6 +201,7 @@ def train_on_rollouts(
                                         ref_model, no_tis)
             for name, value in metrics.items():  # shares of global means: they add up
                 loss_terms.sums[name] = loss_terms.sums.get(name, 0.0) + value.item() / num_updates
+            loss_terms.sums["micro_batches"] = loss_terms.sums.get("micro_batches", 0) + 1  # over ranks
         ddp.finish_grad_sync()
         lr = optimizer.param_groups[0]["lr"]
         _, norm, _ = optimizer.step()

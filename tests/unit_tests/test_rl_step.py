@@ -106,6 +106,7 @@ def test_one_update_parity_and_loss(one_rank):
     assert metrics["loss"] == pytest.approx(-0.75)
     assert metrics["ratio_mean"] == pytest.approx(1.0) and metrics["clip_fraction"] == 0.0
     assert metrics["bit_wise/tokens"] == 5  # 2 + 3 completion tokens, over two micro-batches
+    assert metrics["micro_batches"] == 2  # 5 and 4 tokens, at most 5 a micro-batch
     assert metrics["bit_wise/logprob_diff/max"] == 0.0
     assert metrics["grad_norm"] > 0 and metrics["update_skipped"] == 0.0
     assert metrics["lr"] == 0.1 and metrics["optimizer_steps"] == 1
@@ -133,6 +134,7 @@ def test_two_updates_use_the_old_logprobs_and_tis_shadow_loss(one_rank):
     # TIS weight min(exp(0.5), 1.2) = 1.2 everywhere, so the shadow loss differs
     assert metrics["tis/weight_mean"] == pytest.approx(1.2)
     assert metrics["loss"] != metrics["loss_without_tis"]
+    assert metrics["micro_batches"] == 2  # one rollout in each update's mini-batch; the old logprobs' pass trains none
 
 
 def test_no_completion_tokens_skips_the_update(one_rank):
