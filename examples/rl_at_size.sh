@@ -22,7 +22,10 @@ flags=(--recipe "$recipe" --hf-checkpoint "$run/hf" --rl-dataset "$run/math.json
        --batch-invariant-mode --flash-attention-version 4
        --rl-reward-fn examples/reward_fns/number_share.py:number_share
        --train-iters "$steps" --save-interval 0 --save-hf-interval 0 "$@")
-python tools/memory_plan.py --plan-gpus "${NPROC:-1}" --plan-output "$run/memory_plan.json" "${flags[@]}"
+generators=0 previous=""  # the plan's GPUs are the trainers': NPROC less --rl-generator-ranks
+for arg in "$@"; do [ "$previous" = --rl-generator-ranks ] && generators=$arg; previous=$arg; done
+python tools/memory_plan.py --plan-gpus $(( ${NPROC:-1} - generators )) --plan-output "$run/memory_plan.json" \
+  "${flags[@]}"
 rm -f "$run/metrics.jsonl"
 torchrun --nproc-per-node "${NPROC:-1}" pretrain_rl.py "${flags[@]}" --rl-metrics-jsonl "$run/metrics.jsonl" 2>&1 \
   | tee "$run/run.log"

@@ -29,7 +29,9 @@ H200_GIB = 139.8  # what torch reports as the H200's total memory
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      add_help=False)
-    parser.add_argument("--plan-gpus", type=int, default=1, help="data-parallel GPUs (TP = 1)")
+    parser.add_argument("--plan-gpus", type=int, default=1,
+                        help="the trainers' data-parallel GPUs (TP = 1); with --rl-generator-ranks, a "
+                             "generator process is planned besides")
     parser.add_argument("--plan-gpu-memory-gib", type=float, default=H200_GIB,
                         help="memory of one GPU, as torch reports it")
     parser.add_argument("--plan-output", default=None, help="also write the plan as JSON")
