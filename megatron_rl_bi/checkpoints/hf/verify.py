@@ -3,6 +3,7 @@ bitwise claim (other kernels), a check that the mapping and every layer's math a
 
 import torch
 
+from megatron_rl_bi.numerics import relative_l2_error
 from megatron_rl_bi.packing import pack_sequences
 
 VERIFY_TOKENS = (64, 200, 17)  # sequence lengths of the verify batch
@@ -12,10 +13,6 @@ VERIFY_TOKENS = (64, 200, 17)  # sequence lengths of the verify batch
 # Qwen3-0.6B 1.3e-2, Qwen3.5-2B 5.3e-2 relative), while a wrong mapping
 # is off by order 1.
 VERIFY_FACTOR = 2.0
-
-
-def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((ours - reference).norm() / reference.norm()).item()
 
 
 def _transformers_logits(hf_path: str, dtype, sequences) -> torch.Tensor:
@@ -41,12 +38,12 @@ def verify(model, hf_path: str, vocab_size: int) -> dict:
     exact = _transformers_logits(hf_path, torch.float32, sequences)
     theirs = _transformers_logits(hf_path, torch.bfloat16, sequences)
     report = {
-        "ours_vs_fp32_relative_l2": _relative_error(ours, exact),
-        "transformers_bf16_vs_fp32_relative_l2": _relative_error(theirs, exact),
+        "ours_vs_fp32_relative_l2": relative_l2_error(ours, exact),
+        "transformers_bf16_vs_fp32_relative_l2": relative_l2_error(theirs, exact),
         "ours_top1_agreement_with_fp32": (ours.argmax(-1) == exact.argmax(-1)).float().mean().item(),
         "transformers_bf16_top1_agreement_with_fp32":
             (theirs.argmax(-1) == exact.argmax(-1)).float().mean().item(),
-        "ours_vs_transformers_bf16_relative_l2": _relative_error(ours, theirs),
+        "ours_vs_transformers_bf16_relative_l2": relative_l2_error(ours, theirs),
         "allowed_factor": VERIFY_FACTOR,
     }
     report["passed"] = (report["ours_vs_fp32_relative_l2"]
