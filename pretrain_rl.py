@@ -89,7 +89,7 @@ def size_kv_cache(args: argparse.Namespace, config: EngineConfig, vocab_size: in
     levers = levers_from_args(args)
     if levers.kv_cache_fraction is None:
         return config
-    run = memory_run_from_args(args, vocab_size, trainer_ranks(args), 0, generator)
+    run = memory_run_from_args(args, vocab_size, torch.distributed.get_world_size(), 0, generator)
     growth = 0 if generator else optimizer_growth_before_generation(parameter_count(run.model), run.model, levers,
                                                                      run.data_parallel)
     cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # torch's, free to reuse
@@ -103,15 +103,11 @@ def size_kv_cache(args: argparse.Namespace, config: EngineConfig, vocab_size: in
     return sized
 
 
-def trainer_ranks(args: argparse.Namespace) -> int:
-    """The data-parallel trainers: every process but the generator ranks (--rl-generator-ranks)."""
-    return torch.distributed.get_world_size() - args.rl_generator_ranks
-
-
 def memory_plan(args: argparse.Namespace, vocab_size: int, generator: bool = False) -> dict:
     """The plan of this process on this GPU (a trainer's, or a `generator`'s), printed by rank 0
-    of its world; its summary for the run header."""
-    run = memory_run_from_args(args, vocab_size, trainer_ranks(args),
+    of its world (the trainers' world holds the data-parallel trainers only: bridge.join_world);
+    its summary for the run header."""
+    run = memory_run_from_args(args, vocab_size, torch.distributed.get_world_size(),
                                torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory, generator)
     plan = plan_memory(run, levers_from_args(args))
     if torch.distributed.get_rank() == 0:

@@ -127,12 +127,3 @@ def test_the_launch_check_says_each_process_role_with_generators_apart():
     assert "launch check: rank 0 of 2 on " in result.stdout and "data-parallel group [0]" in result.stdout
     assert "launch check: rank 1 of 2 on " in result.stdout and "generator for trainer ranks [0]" in result.stdout
     assert "launch check passed: 2 processes on 1 nodes" in result.stdout
-
-
-def test_the_memory_plan_shards_over_the_trainers_only(pretrain_rl, monkeypatch):
-    """The distributed optimizer shards over the data-parallel trainers: generator ranks hold none."""
-    from types import SimpleNamespace
-
-    monkeypatch.setattr(pretrain_rl.torch.distributed, "get_world_size", lambda: 4)
-    assert pretrain_rl.trainer_ranks(SimpleNamespace(rl_generator_ranks=1)) == 3
-    assert pretrain_rl.trainer_ranks(SimpleNamespace(rl_generator_ranks=0)) == 4
