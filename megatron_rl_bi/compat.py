@@ -5,6 +5,7 @@ Every patch of a library lives here and nowhere else.
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import re
 import sys
@@ -156,6 +157,7 @@ def bm25s_without_jax():
     return bm25s
 
 
+@functools.cache  # asked by every GDN layer's forward and backward; the answer is the process's
 def fla_chunk_backward_works() -> bool:
     """fla 0.6.0 refuses its chunked gated-delta-rule backward on Hopper (sm90) with Triton >= 3.4
     and < 3.7.1 (a Triton miscompile it guards against). Where it refuses, the BI rule's backward
