@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.report import positive_int, write_report  # noqa: E402
 
 from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
-from megatron_rl_bi.rl.optimizer_offload import generating, optimizer_tensor_slots  # noqa: E402
+from megatron_rl_bi.rl.optimizer_offload import generating, optimizer_tensors  # noqa: E402
 
 PARAMETER_NUMEL = 1 << 26  # a large layer's weight
 
@@ -48,10 +48,6 @@ def _adam(state_gib: float) -> _Optimizer:
     return _Optimizer(adam)
 
 
-def _state(optimizer) -> list[torch.Tensor]:
-    return [holder.data if key is None else holder[key] for holder, key in optimizer_tensor_slots(optimizer)]
-
-
 def _round_trip(offload, restore) -> tuple[float, float]:
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -72,7 +68,7 @@ def measure(state_gib: float, rounds: int) -> dict:
     from megatron.core.optimizer.optimizer import MegatronOptimizer
 
     optimizer = _adam(state_gib)
-    expected = [t.clone() for t in _state(optimizer)]
+    expected = [t.clone() for t in optimizer_tensors(optimizer)]
     ways = {"megatron_core": lambda: (lambda: MegatronOptimizer.offload_to_cpu(optimizer),
                                       lambda: MegatronOptimizer.restore_from_cpu(optimizer)),
             "page_locked": lambda: _ours(optimizer)}
@@ -80,7 +76,7 @@ def measure(state_gib: float, rounds: int) -> dict:
     for name, halves in ways.items():
         trips = [_round_trip(*halves()) for _ in range(rounds)]
         results[name] = {"offload_s": [t[0] for t in trips], "restore_s": [t[1] for t in trips],
-                         "bits_equal": all(torch.equal(a, b) for a, b in zip(_state(optimizer), expected))}
+                         "bits_equal": all(torch.equal(a, b) for a, b in zip(optimizer_tensors(optimizer), expected))}
     later = {name: statistics.median(sum(t) for t in zip(r["offload_s"][1:], r["restore_s"][1:]))
              for name, r in results.items()}
     return {**results, "round_trip_s_after_the_first": later,

@@ -30,6 +30,11 @@ def optimizer_tensor_slots(optimizer) -> list[tuple[object, str | None]]:
     return slots
 
 
+def optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    """The tensors of `optimizer_tensor_slots`, where they are now."""
+    return [_get(holder, key) for holder, key in optimizer_tensor_slots(optimizer)]
+
+
 def _get(holder, key) -> torch.Tensor:
     return holder.data if key is None else holder[key]
 

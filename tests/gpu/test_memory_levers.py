@@ -13,7 +13,7 @@ from megatron_rl_bi.models import logprobs as head
 from megatron_rl_bi.models.logprobs import forward_logprobs
 from megatron_rl_bi.packing import pack_sequences
 from megatron_rl_bi.parity.harness import random_requests, run_parity
-from megatron_rl_bi.rl.optimizer_offload import generating, optimizer_tensor_slots
+from megatron_rl_bi.rl.optimizer_offload import generating, optimizer_tensors
 
 from .conftest import TINY_DENSE_ARGS, TINY_HYBRID_ARGS, VOCAB_SIZE, build, build_dense
 
@@ -113,18 +113,16 @@ def test_the_optimizer_waits_in_page_locked_buffers_and_comes_back_bit_for_bit()
         param.grad = None
     optimizer = _Optimizer(adam)
 
-    def tensors():
-        return [holder.data if key is None else holder[key] for holder, key in optimizer_tensor_slots(optimizer)]
-
-    expected = [t.clone() for t in tensors()]
-    on_gpu = sum(t.numel() * t.element_size() for t in tensors() if t.is_cuda)  # Adam's step is a CPU tensor
+    expected = [t.clone() for t in optimizer_tensors(optimizer)]
+    # Adam's step counts are CPU tensors: they stay
+    on_gpu = sum(t.numel() * t.element_size() for t in optimizer_tensors(optimizer) if t.is_cuda)
     with_state = torch.cuda.memory_allocated()
     buffers = []
     for _ in range(2):
         with generating(optimizer, True):
             assert torch.cuda.memory_allocated() == with_state - on_gpu
-            assert all(t.is_pinned() or t.dim() == 0 for t in tensors())
-            buffers.append([t.data_ptr() for t in tensors()])
-        assert all(torch.equal(a, b) for a, b in zip(tensors(), expected))
-        assert [t.device for t in tensors()] == [t.device for t in expected]
+            assert all(t.is_pinned() or t.dim() == 0 for t in optimizer_tensors(optimizer))
+            buffers.append([t.data_ptr() for t in optimizer_tensors(optimizer)])
+        assert all(torch.equal(a, b) for a, b in zip(optimizer_tensors(optimizer), expected))
+        assert [t.device for t in optimizer_tensors(optimizer)] == [t.device for t in expected]
     assert buffers[0] == buffers[1]  # the host buffers are kept for the run

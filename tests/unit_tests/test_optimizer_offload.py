@@ -4,7 +4,7 @@ offload_to_cpu moves them; the round trip itself is a GPU test (tests/gpu/test_m
 
 import torch
 
-from megatron_rl_bi.rl.optimizer_offload import optimizer_tensor_slots
+from megatron_rl_bi.rl.optimizer_offload import optimizer_tensor_slots, optimizer_tensors
 
 
 class _Inner:
@@ -38,3 +38,8 @@ def test_the_slots_are_each_inner_optimizers_parameters_and_state_tensors():
 def test_a_plain_optimizer_is_its_own_inner_one():
     adam = _adam(4)
     assert len(optimizer_tensor_slots(_Inner(adam))) == 1 + 3
+    param = adam.param_groups[0]["params"][0]
+    state = adam.state[param]
+    tensors = optimizer_tensors(_Inner(adam))
+    assert tensors[0].data_ptr() == param.data_ptr()  # .data is a new view of the parameter's storage
+    assert all(got is state[key] for got, key in zip(tensors[1:], ("step", "exp_avg", "exp_avg_sq")))
