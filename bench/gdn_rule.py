@@ -2,13 +2,15 @@
 chunked backward) against the chunked alternatives that run here: megatron-core's torch chunked
 rule under autograd (what its deterministic mode trains with), fla's chunked forward, and fla's
 chunked step; where fla refuses its chunked backward (Hopper with Triton 3.4-3.7.0), that step with
-the refusal lifted (`guard_lifted_*`), and how far its gradients are from the torch rule's; and the
-step layers train with (the 'auto' backward: which one it chose, and its time).
+the refusal lifted and fla's own kernels (`guard_lifted_*`); and the step layers train with (the
+'auto' backward: fla's, with the torch `chunk_bwd_dqkwg` where fla refuses its own), with how far
+each backward's gradients are from the torch rule's (relative L2, per input).
 
   python bench/gdn_rule.py --output results/bench_gdn_rule_h200.json
 """
 
 import argparse
+import contextlib
 import os
 import sys
 from functools import partial
@@ -20,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.report import seconds, write_report  # noqa: E402
 
 from megatron_rl_bi import compat  # noqa: E402
-from megatron_rl_bi.models import gdn_rule  # noqa: E402
 from megatron_rl_bi.models.gdn_rule import chunked_gated_delta_rule, gated_delta_rule  # noqa: E402
+from megatron_rl_bi.numerics import relative_l2_error  # noqa: E402
 from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
 
 
@@ -52,6 +54,7 @@ def measure(tokens, sequences, heads, dim) -> dict:
     def torch_chunked(q, k, v, g, beta, cu_seqlens):
         return chunked_gated_delta_rule(q, k, v, g, beta, initial, scale, cu_seqlens, False, "torch")
 
+    step(partial(gated_delta_rule, chunk_backend="auto"))  # sets up the layers' backward (the torch step where fla refuses)
     ms = {}
     with torch.no_grad():
         ms["recurrent_forward_ms"] = 1000 * seconds(
@@ -65,17 +68,30 @@ def measure(tokens, sequences, heads, dim) -> dict:
         ms["bi_step_torch_backward_ms"] / ms["torch_chunked_step_ms"])
     ms["ratio_recurrent_vs_chunk_forward"] = (
         ms["recurrent_forward_ms"] / ms["fla_chunk_forward_ms"])
-    if compat.fla_chunk_backward_works():
-        ms.update(_fla_backward(step, chunk_gated_delta_rule))
-    else:  # what fla's refused backward would give here: its gradients against the torch rule's
-        with compat.fla_hopper_backward_guard_lifted():
-            ms.update({f"guard_lifted_{key}": value for key, value in _fla_backward(step, chunk_gated_delta_rule).items()})
-            ms["guard_lifted_gradient_error"] = _gradient_error(inputs, step)
-    ms["auto_backend"] = gdn_rule.chunk_backward_backend("auto", inputs[0], inputs[2], inputs[3], inputs[4])
+    if not compat.fla_chunk_backward_works():  # fla's own refused kernels, for comparison
+        with compat.fla_hopper_backward_guard_lifted(), _flas_own_dqkwg():
+            own = {**_fla_backward(step, chunk_gated_delta_rule), "gradient_error": _gradient_error(inputs, step, "fla")}
+        ms.update({f"guard_lifted_{key}": value for key, value in own.items()})
+    ms.update(_fla_backward(step, chunk_gated_delta_rule))  # the torch step stands in where fla refuses
+    ms["auto_gradient_error"] = _gradient_error(inputs, step, "auto")
     ms["bi_step_auto_ms"] = 1000 * seconds(lambda: step(partial(gated_delta_rule, chunk_backend="auto")), 10)
-    fla_step = ms.get("fla_chunk_step_ms", ms.get("guard_lifted_fla_chunk_step_ms"))
+    fla_step = ms.get("guard_lifted_fla_chunk_step_ms", ms["fla_chunk_step_ms"])  # fla's own kernels
     ms["ratio_bi_step_auto_vs_fla_chunk_step"] = ms["bi_step_auto_ms"] / fla_step
     return ms
+
+
+@contextlib.contextmanager
+def _flas_own_dqkwg():
+    """fla's gated delta rule backward with its own chunk_bwd_dqkwg, where ours stands in."""
+    import fla.ops.common.chunk_o as chunk_o
+    import fla.ops.gated_delta_rule.chunk as gated_delta_rule_chunk
+
+    installed = gated_delta_rule_chunk.chunk_bwd_dqkwg
+    gated_delta_rule_chunk.chunk_bwd_dqkwg = chunk_o.chunk_bwd_dqkwg
+    try:
+        yield
+    finally:
+        gated_delta_rule_chunk.chunk_bwd_dqkwg = installed
 
 
 def _fla_backward(step, chunk_gated_delta_rule) -> dict:
@@ -85,17 +101,17 @@ def _fla_backward(step, chunk_gated_delta_rule) -> dict:
     return ms
 
 
-def _gradient_error(inputs, step) -> dict:
-    """Per input (q, k, v, g, beta): max |fla backward - torch backward| / max |torch backward|,
-    both under the BI rule's recurrent forward."""
+def _gradient_error(inputs, step, backend) -> dict:
+    """Per input (q, k, v, g, beta): relative L2 distance of `backend`'s gradients from the torch
+    rule's, both under the BI rule's recurrent forward."""
     grads = {}
-    for backend in ("torch", "fla"):
+    for name in ("torch", backend):
         for t in inputs:
             t.grad = None
-        step(partial(gated_delta_rule, chunk_backend=backend))
-        grads[backend] = [t.grad.float() for t in inputs]
-    return {name: ((fla - ref).abs().max() / ref.abs().max()).item()
-            for name, fla, ref in zip(("q", "k", "v", "g", "beta"), grads["fla"], grads["torch"])}
+        step(partial(gated_delta_rule, chunk_backend=name))
+        grads[name] = [t.grad.float() for t in inputs]
+    return {name: relative_l2_error(got, ref)
+            for name, got, ref in zip(("q", "k", "v", "g", "beta"), grads[backend], grads["torch"])}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -160,8 +160,9 @@ def bm25s_without_jax():
 @functools.cache  # asked by every GDN layer's forward and backward; the answer is the process's
 def fla_chunk_backward_works() -> bool:
     """fla 0.6.0 refuses its chunked gated-delta-rule backward on Hopper (sm90) with Triton >= 3.4
-    and < 3.7.1 (a Triton miscompile it guards against). Where it refuses, the BI rule's backward
-    uses megatron-core's torch chunked rule instead. Remove when the supported Triton is >= 3.7.1.
+    and < 3.7.1 (a Triton miscompile of one of its steps, which it guards against). Where it
+    refuses, that step is replaced (`replace_fla_gated_dqkwg`). Remove when the supported Triton
+    is >= 3.7.1.
     """
     from packaging.version import Version
 
@@ -173,13 +174,23 @@ def fla_chunk_backward_works() -> bool:
     return not Version("3.4") <= triton_version < Version("3.7.1")
 
 
+def replace_fla_gated_dqkwg(replacement) -> None:
+    """Where fla 0.6.0 refuses its chunked gated-delta-rule backward (`fla_chunk_backward_works`),
+    only its gated `chunk_bwd_dqkwg` is wrong there; the gated delta rule's backward calls
+    `replacement` in its place (same signature), so the rest of fla's backward runs. For this
+    process, for every caller of fla's gated delta rule: there that function raised."""
+    import fla.ops.gated_delta_rule.chunk as gated_delta_rule_chunk
+
+    gated_delta_rule_chunk.chunk_bwd_dqkwg = replacement
+
+
 @contextlib.contextmanager
 def fla_hopper_backward_guard_lifted():
     """fla 0.6.0's gated chunk_bwd_dqkwg raises on Hopper with Triton >= 3.4 and < 3.7.1: there
     Triton miscompiles a transposed operand left in the wgmma accumulator layout (fla issue 640,
     reported at BK = 64; fla 0.6.0 tiles heads of K = 128 with BK = 128 on Hopper). Lifted only to
-    measure whether its gradients are right at a given shape (bench/gdn_rule.py compares them
-    with the torch rule's); no training path lifts it."""
+    measure the refused kernel (bench/gdn_rule.py: its time, and its gradients against the torch
+    rule's); no training path lifts it (`replace_fla_gated_dqkwg` instead)."""
     import fla.ops.common.chunk_o as chunk_o
 
     saved = chunk_o.TRITON_ABOVE_3_7_1

@@ -16,12 +16,12 @@ sequence). fla compiles a different variant without it, whose bits differ (measu
 Chunked backends: 'torch' (megatron-core's `torch_chunk_gated_delta_rule`, fp32, runs anywhere;
 packed sequences are zero-padded into one batch, which leaves outputs and final states unchanged:
 a zero key with zero beta and zero log-decay does not touch the state), 'fla' (fla's
-`chunk_gated_delta_rule` and its Triton backward, varlen-native; fla 0.6.0 refuses it on Hopper
-with Triton >= 3.4 and < 3.7.1, see `compat.fla_chunk_backward_works`), and 'auto' (what layers
-train with): fla's on a GPU where its gradients are right (`fla_backward_checked`), else torch's.
+`chunk_gated_delta_rule` and its Triton backward, varlen-native; where fla 0.6.0 refuses that
+backward (Hopper with Triton >= 3.4 and < 3.7.1, `compat.fla_chunk_backward_works`) its one
+miscompiled step runs in torch, models/gdn_dqkwg.py), and 'auto' (what layers train with): fla's
+on GPU tensors, torch's on CPU ones (fla's chunked kernels have no CPU path).
 """
 
-import contextlib
 import functools
 
 import torch
@@ -29,15 +29,11 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from megatron_rl_bi import compat
-from megatron_rl_bi.numerics import relative_l2_error
+from megatron_rl_bi.models.gdn_dqkwg import chunk_bwd_dqkwg
 from megatron_rl_bi.packing import sequence_lengths
 
 FORWARD_KERNELS = ("recurrent", "chunk")
 CHUNK_BACKENDS = ("torch", "fla", "auto")
-# fla's bf16 kernels against the fp32 torch rule: the RMS of the difference over the RMS of the
-# rule's gradient (the measure fla's own tests bound, at 0.02 at most, against fp32 references);
-# the miscompile of fla issue 640 gives ratios near 0.5.
-CHECK_ERROR_RATIO = 0.02
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -61,10 +57,20 @@ def _torch_chunked(q, k, v, g, beta, initial_state, scale, cu_seqlens):
     return torch.cat([out[i, :n] for i, n in enumerate(lengths)]).unsqueeze(0), state
 
 
+@functools.cache
+def _fla_chunk_backward_here() -> None:
+    """Where fla refuses its chunked backward, its miscompiled step is replaced by the torch one
+    (once a process; fla then runs the rest of its backward as it does elsewhere)."""
+    if not compat.fla_chunk_backward_works():
+        compat.replace_fla_gated_dqkwg(chunk_bwd_dqkwg)
+
+
 def _fla(kernel, q, k, v, g, beta, initial_state, scale, cu_seqlens, use_l2=False):
     """fla's 'recurrent' (fused_recurrent) or 'chunk' rule, called the one way both sides call it."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
+    if kernel == "chunk":
+        _fla_chunk_backward_here()
     rule = {"recurrent": fused_recurrent_gated_delta_rule, "chunk": chunk_gated_delta_rule}[kernel]
     return rule(
         q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
@@ -81,59 +87,11 @@ def chunked_gated_delta_rule(q, k, v, g, beta, initial_state, scale, cu_seqlens,
     return _torch_chunked(q, k, v, g, beta, initial_state, scale, cu_seqlens)
 
 
-def _check_inputs(heads, key_dim, value_dim, dtypes, lengths=(100, 300, 624)):
-    """A packed random problem of the layer's sizes and dtypes (q, k, v, g, beta), on the GPU."""
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    tokens = sum(lengths)
-
-    def rand(*shape, dtype=torch.float32):
-        return torch.randn(*shape, device="cuda", generator=generator).to(dtype)
-
-    q, k = (_l2norm(rand(1, tokens, heads, key_dim)).to(dtypes[0]) for _ in range(2))
-    v = rand(1, tokens, heads, value_dim, dtype=dtypes[0])
-    g = (-0.1 * rand(1, tokens, heads).abs()).to(dtypes[1])
-    beta = torch.sigmoid(rand(1, tokens, heads)).to(dtypes[2])
-    state = 0.1 * rand(len(lengths), heads, key_dim, value_dim)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
-    return [q, k, v, g, beta, state], cu
-
-
-def _gradients(inputs, cu, backend) -> list[torch.Tensor]:
-    """Each input's gradient through the chunked rule of `backend`, under seeded cotangents."""
-    inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
-    with torch.enable_grad():  # called from a backward, where autograd is off
-        out, state = chunked_gated_delta_rule(*inputs, inputs[0].shape[-1] ** -0.5, cu, False, backend)
-        generator = torch.Generator(device=out.device).manual_seed(1)
-        cotangents = [torch.randn(t.shape, device=t.device, generator=generator).to(t.dtype) for t in (out, state)]
-        return list(torch.autograd.grad([out, state], inputs, cotangents))
-
-
-@functools.cache
-def fla_backward_checked(heads: int, key_dim: int, value_dim: int, dtypes: tuple) -> bool:
-    """Whether fla's chunked backward may train a layer of these sizes and dtypes here. Where fla
-    runs it itself, yes. Where fla 0.6.0 refuses it (Hopper with Triton >= 3.4 and < 3.7.1: fla
-    issue 640, a miscompile of chunk_bwd_kernel_dqkwg found at key tiles of 64; on Hopper fla
-    tiles keys of 128 whole), the refused backward runs once on a packed random problem and is
-    kept only if every gradient is within CHECK_ERROR_RATIO of the torch rule's. The kernels
-    it compiled and autotuned there are the ones training runs: their autotune keys are the
-    sizes and dtypes, not the lengths."""
-    if compat.fla_chunk_backward_works():
-        return True
-    inputs, cu = _check_inputs(heads, key_dim, value_dim, dtypes)
-    with compat.fla_hopper_backward_guard_lifted():
-        fla = _gradients(inputs, cu, "fla")
-    reference = _gradients(inputs, cu, "torch")
-    return all(relative_l2_error(a, b) <= CHECK_ERROR_RATIO for a, b in zip(fla, reference))
-
-
-def chunk_backward_backend(backend: str, q, v, g, beta) -> str:
-    """'auto': fla's backward on a GPU where it is right for these tensors, else the torch rule."""
+def chunk_backward_backend(backend: str, q) -> str:
+    """'auto': fla's chunked backward for GPU tensors, the torch rule for CPU ones."""
     if backend != "auto":
         return backend
-    if not q.is_cuda:  # fla's chunked kernels have no CPU path
-        return "torch"
-    dtypes = (q.dtype, g.dtype, beta.dtype)
-    return "fla" if fla_backward_checked(q.shape[2], q.shape[3], v.shape[3], dtypes) else "torch"
+    return "fla" if q.is_cuda else "torch"
 
 
 class _KernelForwardChunkedBackward(torch.autograd.Function):
@@ -148,10 +106,9 @@ class _KernelForwardChunkedBackward(torch.autograd.Function):
     def backward(ctx, d_out, d_final_state):
         inputs = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]
         scale, cu_seqlens, use_l2, backend = ctx.args
-        backend = chunk_backward_backend(backend, *[inputs[i] for i in (0, 2, 3, 4)])
-        refused = backend == "fla" and not compat.fla_chunk_backward_works()
-        with torch.enable_grad(), (compat.fla_hopper_backward_guard_lifted() if refused else contextlib.nullcontext()):
-            out, final_state = chunked_gated_delta_rule(*inputs, scale, cu_seqlens, use_l2, backend)
+        with torch.enable_grad():
+            out, final_state = chunked_gated_delta_rule(*inputs, scale, cu_seqlens, use_l2,
+                                                        chunk_backward_backend(backend, inputs[0]))
             outputs, grads = [out], [d_out]
             if d_final_state is not None:
                 outputs.append(final_state)
@@ -189,8 +146,7 @@ def gated_delta_rule(
         initial_state = q.new_zeros(num_sequences, v.shape[2], q.shape[-1], v.shape[-1],
                                     dtype=torch.float32)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    fla_throughout = chunk_backend == "fla" or (chunk_backend == "auto" and q.is_cuda and compat.fla_chunk_backward_works())
-    if forward == "chunk" and fla_throughout:
+    if forward == "chunk" and chunk_backward_backend(chunk_backend, q) == "fla":
         out, final_state = _fla("chunk", q, k, v, g, beta, initial_state, scale, cu_seqlens,
                                 use_qk_l2norm_in_kernel)
     else:

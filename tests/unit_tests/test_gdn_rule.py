@@ -124,43 +124,22 @@ def test_bad_arguments():
 
 def test_auto_backend_takes_the_torch_rule_for_cpu_tensors():
     q = torch.zeros(1, 4, 2, 8)
-    assert gdn_rule.chunk_backward_backend("auto", q, q, q[..., 0], q[..., 0]) == "torch"
-    assert gdn_rule.chunk_backward_backend("fla", q, q, q[..., 0], q[..., 0]) == "fla"
+    assert gdn_rule.chunk_backward_backend("auto", q) == "torch"
+    assert gdn_rule.chunk_backward_backend("fla", q) == "fla"
 
 
-@pytest.mark.parametrize("error, kept", [(0.01, True), (0.019, True), (0.5, False)])
-def test_a_refused_fla_backward_is_kept_only_with_the_torch_rules_gradients(monkeypatch, error, kept):
-    """Where fla refuses its backward, it is run once against the torch rule: an error of the
-    gradients' own size (fla issue 640's miscompile) keeps the torch rule."""
-    reference = [torch.tensor([1.0, -2.0]), torch.tensor([0.5, 4.0])]
-    ran = []
+@pytest.mark.parametrize("fla_allows", [True, False])
+def test_the_torch_dqkwg_stands_in_only_where_fla_refuses_its_backward(monkeypatch, fla_allows):
+    import fla.ops.gated_delta_rule.chunk as gated_delta_rule_chunk
 
-    def gradients(inputs, cu, backend):
-        ran.append((backend, fla_guard_lifted()))
-        scale = 1 + error if backend == "fla" else 1
-        return [scale * t for t in reference]
+    from megatron_rl_bi.models.gdn_dqkwg import chunk_bwd_dqkwg
 
-    def fla_guard_lifted():
-        import fla.ops.common.chunk_o as chunk_o
-
-        return chunk_o.TRITON_ABOVE_3_7_1
-
-    monkeypatch.setattr(gdn_rule.compat, "fla_chunk_backward_works", lambda: False)
-    monkeypatch.setattr(gdn_rule, "_check_inputs", lambda *args: ([], None))
-    monkeypatch.setattr(gdn_rule, "_gradients", gradients)
-    gdn_rule.fla_backward_checked.cache_clear()
+    flas = gated_delta_rule_chunk.chunk_bwd_dqkwg
+    monkeypatch.setattr(gated_delta_rule_chunk, "chunk_bwd_dqkwg", flas)  # restored after the test
+    monkeypatch.setattr(gdn_rule.compat, "fla_chunk_backward_works", lambda: fla_allows)
+    gdn_rule._fla_chunk_backward_here.cache_clear()
     try:
-        assert gdn_rule.fla_backward_checked(2, 128, 128, (torch.bfloat16,) * 3) is kept
+        gdn_rule._fla_chunk_backward_here()
     finally:
-        gdn_rule.fla_backward_checked.cache_clear()
-    assert ran == [("fla", True), ("torch", fla_guard_lifted())]
-
-
-def test_where_fla_runs_its_backward_itself_nothing_is_checked(monkeypatch):
-    monkeypatch.setattr(gdn_rule.compat, "fla_chunk_backward_works", lambda: True)
-    monkeypatch.setattr(gdn_rule, "_gradients", lambda *args: pytest.fail("no check where fla allows itself"))
-    gdn_rule.fla_backward_checked.cache_clear()
-    try:
-        assert gdn_rule.fla_backward_checked(2, 64, 64, (torch.bfloat16,) * 3)
-    finally:
-        gdn_rule.fla_backward_checked.cache_clear()
+        gdn_rule._fla_chunk_backward_here.cache_clear()
+    assert gated_delta_rule_chunk.chunk_bwd_dqkwg is (flas if fla_allows else chunk_bwd_dqkwg)

@@ -1,0 +1,91 @@
+"""The one step of fla's chunked gated-delta-rule backward that Triton miscompiles on Hopper, in
+torch: the gradients of q, k, w and the log-decay g within each chunk (fla's `chunk_bwd_dqkwg`,
+gated, with w and dv as the gated delta rule calls it).
+
+fla 0.6.0 refuses that step on Hopper with Triton >= 3.4 and < 3.7.1 (fla issue 640: the
+transposed product `ds^T @ q` is taken from an operand left in the wgmma accumulator layout), and
+with it the whole chunked backward. The rest of that backward runs there. This function is
+installed in its place (`compat.replace_fla_gated_dqkwg`), so the other kernels stay fla's.
+
+Same arguments, layouts and arithmetic as fla's kernel: chunks of `chunk_size` tokens that never
+cross a sequence, `h`/`dh` one [K, V] state per chunk and value head ([V, K] with
+`state_v_first`), g in log2 units (powers of 2), q/k heads shared by HV // H value heads, dq and
+dk summed over each group in the inputs' dtype. Products are taken in fp32 from operands rounded
+to the inputs' dtype, as the kernel's tensor-core dots are (bf16 values are exact in fp32 and
+TF32), and `ds` is rounded to that dtype before its two products, as there.
+"""
+
+import torch
+
+
+def _chunk_tokens(total: int, cu_seqlens: torch.Tensor | None, batch: int, chunk_size: int, device):
+    """[chunks, chunk_size] token indices into the flattened B*T tokens (clamped), whether each is
+    inside its sequence, and each chunk's last token, in the order fla numbers chunks (sequence
+    after sequence, a chunk's states at that index of h and dh)."""
+    if cu_seqlens is None:
+        step = total // batch
+        bounds = [(b * step, (b + 1) * step) for b in range(batch)]
+    else:
+        cu = cu_seqlens.tolist()
+        bounds = list(zip(cu[:-1], cu[1:]))
+    starts = [s for bos, eos in bounds for s in range(bos, eos, chunk_size)]
+    ends = [eos for bos, eos in bounds for _ in range(bos, eos, chunk_size)]
+    starts = torch.tensor(starts, device=device)
+    ends = torch.tensor(ends, device=device)
+    index = starts[:, None] + torch.arange(chunk_size, device=device)
+    inside = index < ends[:, None]
+    last = torch.minimum(starts + chunk_size, ends) - 1
+    return index.clamp(max=total - 1), inside, last
+
+
+def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, scale=None,
+                    state_v_first=False, cu_seqlens=None, chunk_size=64, chunk_indices=None):
+    """fla's `chunk_bwd_dqkwg` for the gated delta rule (g, w and dv given): (dq, dk, dw, dg)."""
+    if g is None or w is None or dv is None or g_gamma is not None:
+        raise NotImplementedError("only the gated delta rule's call (g, w and dv; no g_gamma)")
+    batch, total, heads, _ = k.shape
+    value_heads, total = v.shape[2], batch * total
+    index, inside, last = _chunk_tokens(total, cu_seqlens, batch, chunk_size, q.device)
+
+    def chunks(x):  # [B, T, heads, D] -> fp32 [chunks, chunk_size, HV, D], zero outside sequences
+        x = x.reshape(total, *x.shape[2:])[index].float()
+        return x.repeat_interleave(value_heads // x.shape[2], dim=2) * inside[..., None, None]
+
+    def state(x, dtype=None):  # [chunks, HV, K, V] fp32, of `dtype`'s values when given
+        x = x.reshape(-1, value_heads, *x.shape[-2:])
+        x = (x.to(dtype) if dtype is not None else x).float()
+        return x.transpose(-1, -2) if state_v_first else x
+
+    q_, k_, v_, do_, dv_ = (chunks(x) for x in (q, k, v, do, dv))
+    g_all = g.reshape(total, value_heads).float()
+    g_, g_last = g_all[index] * inside[..., None], g_all[last]  # [chunks, chunk_size, HV], [chunks, HV]
+    dw = -torch.einsum("cthv,chkv->cthk", dv_, state(h, v.dtype))
+    dq = torch.einsum("cthv,chkv->cthk", do_, state(h, do.dtype)) * torch.exp2(g_)[..., None] * scale
+    decay_to_end = torch.where(inside[..., None], torch.exp2(g_last[:, None] - g_), 0.0)
+    dk = torch.einsum("cthv,chkv->cthk", v_, state(dh, v.dtype)) * decay_to_end[..., None]
+    dg_last = (state(h) * state(dh)).sum((-1, -2)) * torch.exp2(g_last) + (dk * k_).sum((1, 3))
+    g_heads = g_.transpose(1, 2)  # [chunks, HV, chunk_size]
+    pairs = inside[:, :, None] & inside[:, None, :] & torch.ones(
+        chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()  # [chunks, i, j], i >= j
+    ds = torch.einsum("cihv,cjhv->chij", do_, v_) * torch.exp2(g_heads[..., :, None] - g_heads[..., None, :])
+    ds = (torch.where(pairs[:, None], ds, 0.0) * scale).to(k.dtype).float()
+    dq = dq + torch.einsum("chij,cjhk->cihk", ds, k_)
+    dk = dk + torch.einsum("chij,cihk->cjhk", ds, q_)
+    dg = (dq * q_).sum(-1) - (dk * k_).sum(-1)  # [chunks, chunk_size, HV]
+    dg = dg + torch.where((index == last[:, None])[..., None], dg_last[:, None], 0.0)
+    dq, dk = (_group_sum(_scatter(x, index, inside, total, t.dtype), heads, batch) for x, t in ((dq, q), (dk, k)))
+    return (dq, dk, _scatter(dw, index, inside, total, w.dtype).view(w.shape),
+            _scatter(dg, index, inside, total, torch.float32).view(g.shape))
+
+
+def _scatter(value, index, inside, total, dtype):
+    """Chunked [chunks, chunk_size, HV, ...] back to the flattened tokens' order, in `dtype`."""
+    flat = value.new_zeros(total, *value.shape[2:])
+    flat[index[inside]] = value[inside]
+    return flat.to(dtype)
+
+
+def _group_sum(value, heads, batch):
+    """dq or dk of each value head summed over the heads that share a q/k head, as fla does."""
+    total, value_heads, key_dim = value.shape
+    return value.view(batch, total // batch, heads, value_heads // heads, key_dim).sum(3)

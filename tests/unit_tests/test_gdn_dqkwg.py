@@ -1,0 +1,57 @@
+"""models/gdn_dqkwg.chunk_bwd_dqkwg against fla's own kernel (`chunk_bwd_kernel_dqkwg`, run by the
+Triton interpreter on CPU) on the gated delta rule's call: packed sequences (a chunk-aligned
+boundary, a one-token sequence, a partial last chunk), a batch without packing, value heads
+sharing q/k heads, both state layouts. fp32 inputs: the interpreter's bf16 products are not the
+GPU's (its results there are not finite), so dtype rounding is the GPU test's (tests/gpu/
+test_gdn_backward.py). Tolerance: fp32 rounding of two summation orders (relative 1e-6; seen
+<= 2e-7)."""
+
+import pytest
+import torch
+
+from megatron_rl_bi.models.gdn_dqkwg import chunk_bwd_dqkwg
+from megatron_rl_bi.numerics import relative_l2_error
+
+CHUNK = 64
+
+
+def _call(tokens, heads, value_heads, cu_seqlens, state_v_first, batch=1, key_dim=32, value_dim=16):
+    from fla.ops.utils import prepare_chunk_indices
+
+    gen = torch.Generator().manual_seed(0)
+    chunk_indices = None if cu_seqlens is None else prepare_chunk_indices(cu_seqlens, CHUNK)
+    chunks = -(-tokens // CHUNK) if cu_seqlens is None else len(chunk_indices)  # per batch row
+    state_shape = (batch, chunks, value_heads, *((value_dim, key_dim) if state_v_first else (key_dim, value_dim)))
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    return dict(q=rand(batch, tokens, heads, key_dim), k=rand(batch, tokens, heads, key_dim),
+                v=rand(batch, tokens, value_heads, value_dim), do=rand(batch, tokens, value_heads, value_dim),
+                h=rand(*state_shape), dh=rand(*state_shape), w=rand(batch, tokens, value_heads, key_dim),
+                dv=rand(batch, tokens, value_heads, value_dim),
+                g=-0.05 * torch.rand(batch, tokens, value_heads, generator=gen).cumsum(1),
+                scale=0.3, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, state_v_first=state_v_first)
+
+
+@pytest.mark.parametrize("tokens, heads, value_heads, cu_seqlens, state_v_first, batch", [
+    (200, 2, 4, [0, 70, 200], False, 1),
+    (200, 2, 2, [0, 64, 200], True, 1),
+    (300, 1, 2, [0, 1, 100, 300], False, 1),
+    (130, 1, 2, None, False, 2),
+])
+def test_equals_flas_kernel(single_config_autotune, tokens, heads, value_heads, cu_seqlens, state_v_first, batch):
+    from fla.ops.common.chunk_o import chunk_bwd_dqkwg as fla_chunk_bwd_dqkwg
+
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens)
+    kwargs = _call(tokens, heads, value_heads, cu, state_v_first, batch)
+    expected, got = fla_chunk_bwd_dqkwg(**kwargs), chunk_bwd_dqkwg(**kwargs)
+    for name, want, have in zip(("dq", "dk", "dw", "dg"), expected, got):
+        assert have.shape == want.shape and have.dtype == want.dtype, name
+        assert relative_l2_error(have, want) <= 1e-6, name
+
+
+def test_only_the_gated_delta_rules_call():
+    kwargs = _call(64, 1, 1, None, False)
+    with pytest.raises(NotImplementedError, match="gated delta rule"):
+        chunk_bwd_dqkwg(**{**kwargs, "w": None})
