@@ -4,7 +4,8 @@ rule under autograd (what its deterministic mode trains with), fla's chunked for
 chunked step; where fla refuses its chunked backward (Hopper with Triton 3.4-3.7.0), that step with
 the refusal lifted and fla's own kernels (`guard_lifted_*`); and the step layers train with (the
 'auto' backward: fla's, with the torch `chunk_bwd_dqkwg` where fla refuses its own), with how far
-each backward's gradients are from the torch rule's (relative L2, per input).
+each backward's gradients are from the torch rule's (relative L2, per input); the BI step's peak
+memory above its inputs with the torch rule's backward and with the 'auto' one.
 
   python bench/gdn_rule.py --output results/bench_gdn_rule_h200.json
 """
@@ -19,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.report import seconds, write_report  # noqa: E402
+from bench.report import peak_mib, seconds, write_report  # noqa: E402
 
 from megatron_rl_bi import compat  # noqa: E402
 from megatron_rl_bi.models.gdn_rule import chunked_gated_delta_rule, gated_delta_rule  # noqa: E402
@@ -77,6 +78,8 @@ def measure(tokens, sequences, heads, dim) -> dict:
     ms["bi_step_auto_ms"] = 1000 * seconds(lambda: step(partial(gated_delta_rule, chunk_backend="auto")), 10)
     fla_step = ms.get("guard_lifted_fla_chunk_step_ms", ms["fla_chunk_step_ms"])  # fla's own kernels
     ms["ratio_bi_step_auto_vs_fla_chunk_step"] = ms["bi_step_auto_ms"] / fla_step
+    for name, backend in (("torch_backward", "torch"), ("auto", "auto")):  # the backward's workspace
+        ms[f"bi_step_{name}_peak_mib"] = peak_mib(lambda: step(partial(gated_delta_rule, chunk_backend=backend)))
     return ms
 
 

@@ -30,6 +30,17 @@ def seconds(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def peak_mib(fn) -> float:
+    """GPU memory `fn` allocates at its peak above what was allocated before it, in MiB (its
+    workspace: what stays allocated after it is included)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
 def graphed_seconds(fn, repeats: int) -> float:
     """Mean GPU time of `fn` without its launch cost: `repeats` calls captured in one CUDA graph,
     one replay timed with CUDA events (what a call costs inside a graphed decode step)."""

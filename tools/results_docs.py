@@ -157,6 +157,8 @@ def _gdn_rule_table(*paths: str) -> str:
              "bi_step_fla_backward_ms": "BI step: recurrent forward + fla chunked backward",
              "bi_step_auto_ms": "BI step: recurrent forward + the backward layers train with ('auto')",
              "fla_chunk_step_ms": "fla chunked forward + backward",
+             "guard_lifted_bi_step_fla_backward_ms": "BI step: recurrent forward + fla's refused backward, refusal lifted",
+             "guard_lifted_fla_chunk_step_ms": "fla chunked forward + its refused backward, refusal lifted",
              "torch_chunked_step_ms": "torch chunked forward + backward (megatron-core's deterministic rule)"}
     rows = ["| file | Triton | | ms |", "| --- | --- | --- | --- |"]
     for path in paths:
