@@ -48,22 +48,20 @@ def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, s
     index, inside, last = _chunk_tokens(total, cu_seqlens, batch, chunk_size, q.device)
 
     def chunks(x):  # [B, T, heads, D] -> fp32 [chunks, chunk_size, HV, D], zero outside sequences
-        x = x.reshape(total, *x.shape[2:])[index].float()
-        return x.repeat_interleave(value_heads // x.shape[2], dim=2) * inside[..., None, None]
-
-    def state(x, dtype=None):  # [chunks, HV, K, V] fp32, of `dtype`'s values when given
-        x = x.reshape(-1, value_heads, *x.shape[-2:])
-        x = (x.to(dtype) if dtype is not None else x).float()
-        return x.transpose(-1, -2) if state_v_first else x
+        x = x.reshape(total, *x.shape[2:])[index].float() * inside[..., None, None]
+        return x if x.shape[2] == value_heads else x.repeat_interleave(value_heads // x.shape[2], dim=2)
 
     q_, k_, v_, do_, dv_ = (chunks(x) for x in (q, k, v, do, dv))
+    h_, dh_ = (x.reshape(-1, value_heads, *x.shape[-2:]).float() for x in (h, dh))
+    if state_v_first:
+        h_, dh_ = h_.transpose(-1, -2), dh_.transpose(-1, -2)  # [chunks, HV, K, V]
     g_all = g.reshape(total, value_heads).float()
     g_, g_last = g_all[index] * inside[..., None], g_all[last]  # [chunks, chunk_size, HV], [chunks, HV]
-    dw = -torch.einsum("cthv,chkv->cthk", dv_, state(h, v.dtype))
-    dq = torch.einsum("cthv,chkv->cthk", do_, state(h, do.dtype)) * torch.exp2(g_)[..., None] * scale
+    dw = -torch.einsum("cthv,chkv->cthk", dv_, _rounded(h_, h.dtype, v.dtype))
+    dq = torch.einsum("cthv,chkv->cthk", do_, _rounded(h_, h.dtype, do.dtype)) * torch.exp2(g_)[..., None] * scale
     decay_to_end = torch.where(inside[..., None], torch.exp2(g_last[:, None] - g_), 0.0)
-    dk = torch.einsum("cthv,chkv->cthk", v_, state(dh, v.dtype)) * decay_to_end[..., None]
-    dg_last = (state(h) * state(dh)).sum((-1, -2)) * torch.exp2(g_last) + (dk * k_).sum((1, 3))
+    dk = torch.einsum("cthv,chkv->cthk", v_, _rounded(dh_, dh.dtype, v.dtype)) * decay_to_end[..., None]
+    dg_last = (h_ * dh_).sum((-1, -2)) * torch.exp2(g_last) + (dk * k_).sum((1, 3))
     g_heads = g_.transpose(1, 2)  # [chunks, HV, chunk_size]
     pairs = inside[:, :, None] & inside[:, None, :] & torch.ones(
         chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()  # [chunks, i, j], i >= j
@@ -76,6 +74,11 @@ def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, s
     dq, dk = (_group_sum(_scatter(x, index, inside, total, t.dtype), heads, batch) for x, t in ((dq, q), (dk, k)))
     return (dq, dk, _scatter(dw, index, inside, total, w.dtype).view(w.shape),
             _scatter(dg, index, inside, total, torch.float32).view(g.shape))
+
+
+def _rounded(value, stored, dtype):
+    """fp32 `value` (of a `stored`-dtype tensor) as the kernel casts it to `dtype` for a product."""
+    return value if dtype in (stored, torch.float32) else value.to(dtype).float()
 
 
 def _scatter(value, index, inside, total, dtype):

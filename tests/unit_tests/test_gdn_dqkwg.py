@@ -55,3 +55,13 @@ def test_only_the_gated_delta_rules_call():
     kwargs = _call(64, 1, 1, None, False)
     with pytest.raises(NotImplementedError, match="gated delta rule"):
         chunk_bwd_dqkwg(**{**kwargs, "w": None})
+
+
+def test_operands_are_rounded_to_the_products_dtype_as_the_kernel_casts_them():
+    from megatron_rl_bi.models.gdn_dqkwg import _rounded
+
+    fp32_state = torch.tensor([1 + 2**-10])  # not a bf16 value: bf16 keeps 7 fraction bits
+    assert torch.equal(_rounded(fp32_state, torch.float32, torch.bfloat16), torch.tensor([1.0]))
+    assert torch.equal(_rounded(fp32_state, torch.float32, torch.float32), fp32_state)
+    bf16_state = torch.tensor([1 + 2**-7])
+    assert _rounded(bf16_state, torch.bfloat16, torch.bfloat16) is bf16_state  # already of its values
