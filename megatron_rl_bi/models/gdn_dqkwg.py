@@ -18,23 +18,29 @@ TF32), and `ds` is rounded to that dtype before its two products, as there.
 import torch
 
 
-def _chunk_tokens(total: int, cu_seqlens: torch.Tensor | None, batch: int, chunk_size: int, device):
+def _chunk_tokens(total: int, cu_seqlens, chunk_indices, batch: int, chunk_size: int, device):
     """[chunks, chunk_size] token indices into the flattened B*T tokens (clamped), whether each is
     inside its sequence, and each chunk's last token, in the order fla numbers chunks (sequence
-    after sequence, a chunk's states at that index of h and dh)."""
+    after sequence, a chunk's states at that index of h and dh): packed, fla's own `chunk_indices`
+    ([sequence, chunk of it] a row), made on the device as fla makes them where not given."""
     if cu_seqlens is None:
-        step = total // batch
-        bounds = [(b * step, (b + 1) * step) for b in range(batch)]
+        length = total // batch
+        per_sequence = -(-length // chunk_size)
+        sequence = torch.arange(batch, device=device).repeat_interleave(per_sequence)
+        chunk = torch.arange(per_sequence, device=device).repeat(batch)
+        bos = sequence * length
+        eos = bos + length
     else:
-        cu = cu_seqlens.tolist()
-        bounds = list(zip(cu[:-1], cu[1:]))
-    starts = [s for bos, eos in bounds for s in range(bos, eos, chunk_size)]
-    ends = [eos for bos, eos in bounds for _ in range(bos, eos, chunk_size)]
-    starts = torch.tensor(starts, device=device)
-    ends = torch.tensor(ends, device=device)
+        if chunk_indices is None:
+            from fla.ops.utils import prepare_chunk_indices
+
+            chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
+        sequence, chunk = chunk_indices[:, 0].long(), chunk_indices[:, 1].long()
+        bos, eos = cu_seqlens.long()[sequence], cu_seqlens.long()[sequence + 1]
+    starts = bos + chunk * chunk_size
     index = starts[:, None] + torch.arange(chunk_size, device=device)
-    inside = index < ends[:, None]
-    last = torch.minimum(starts + chunk_size, ends) - 1
+    inside = index < eos[:, None]
+    last = torch.minimum(starts + chunk_size, eos) - 1
     return index.clamp(max=total - 1), inside, last
 
 
@@ -45,7 +51,7 @@ def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, s
         raise NotImplementedError("only the gated delta rule's call (g, w and dv; no g_gamma)")
     batch, total, heads, _ = k.shape
     value_heads, total = v.shape[2], batch * total
-    index, inside, last = _chunk_tokens(total, cu_seqlens, batch, chunk_size, q.device)
+    index, inside, last = _chunk_tokens(total, cu_seqlens, chunk_indices, batch, chunk_size, q.device)
 
     def chunks(x):  # [B, T, heads, D] -> fp32 [chunks, chunk_size, HV, D], zero outside sequences
         x = x.reshape(total, *x.shape[2:])[index].float() * inside[..., None, None]
