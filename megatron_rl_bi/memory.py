@@ -331,6 +331,17 @@ def optimizer_growth_before_generation(params: int, shape: ModelShape, levers: L
     return generating - placed
 
 
+def optimizer_step_bytes(params: int, levers: Levers, data_parallel: int, fused_adam: bool) -> int:
+    """What the optimizer's step allocates on the GPU for a moment, beside the state: torch's
+    AdamW (megatron-core's Adam where neither TE's nor APEX's FusedAdam is installed) writes the
+    square root of Adam's second moment into a new fp32 tensor for every parameter of a group at
+    once (`_multi_tensor_adam`); the fused kernels allocate none, and on the CPU route it is host
+    memory."""
+    if fused_adam or levers.optimizer_cpu_offload:
+        return 0
+    return _per_rank(params * 4, levers, data_parallel)
+
+
 def kv_cache_bytes(free_bytes: int, levers: Levers, engine: EngineShape) -> int:
     """The cache a run gives the engine: --rl-kv-cache-memory-fraction of `free_bytes` (the memory
     free while it generates: free at its build, less optimizer_growth_before_generation), or the
@@ -355,6 +366,8 @@ class RunShape:
     """What the process holds: 'colocated' (trainer and engine on one module), or with generator
     ranks apart (--rl-generator-ranks) a 'trainer' (no engine) or a 'generator' (the weights and
     the engine only)."""
+    fused_adam: bool = False
+    """megatron-core's Adam is TE's or APEX's FusedAdam (installed), not torch's AdamW."""
 
     @property
     def trainer_tokens(self) -> int:
@@ -406,14 +419,20 @@ def _engine_items(run: RunShape, levers: Levers, state: list[Item]) -> list[Item
 
 
 def _training_items(run: RunShape, levers: Levers) -> list[Item]:
+    """The backward's activations and LM head; then the optimizer's step, which runs once they
+    are freed and so adds only what it takes beyond them."""
     shape, tokens = run.model, run.trainer_tokens
-    return [
+    backward = [
         Item("activations", activation_bytes(shape, tokens, levers.recompute), (TRAINING,),
              f"{tokens} tokens, recompute {levers.recompute.granularity or 'none'}"
              + (f" (none: {activation_bytes(shape, tokens, Recompute()) / GIB:.2f} GiB)"
                 if levers.recompute.granularity else "")),
         Item("LM head", logits_bytes(shape, tokens), (TRAINING,), "hidden states + one chunk of logits"),
     ]
+    step = optimizer_step_bytes(parameter_count(shape), levers, run.data_parallel, run.fused_adam)
+    beyond = max(0, step - sum(item.bytes for item in backward))
+    return backward + [Item("optimizer step", beyond, (TRAINING,),
+                            f"torch AdamW's sqrt(exp_avg_sq), {step / GIB:.2f} GiB, beyond the backward's")]
 
 
 def _variants(run: RunShape, levers: Levers) -> list[tuple[str, Levers]]:

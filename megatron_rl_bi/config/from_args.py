@@ -3,6 +3,7 @@ them (the entry points pass the results on)."""
 
 import argparse
 
+from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 
 from megatron_rl_bi.envs.environment import build_environment
@@ -162,4 +163,5 @@ def memory_run_from_args(args: argparse.Namespace, vocab_size: int, data_paralle
     role = "generator" if generator else "trainer" if args.rl_generator_ranks else "colocated"
     return RunShape(model=model_shape_from_args(args, vocab_size), engine=engine_shape(engine_config_from_args(args)),
                     micro_batch_tokens=args.rl_micro_batch_tokens, data_parallel=data_parallel,
-                    gpu_bytes=gpu_bytes, requests=args.grpo_prompts_per_step * args.grpo_group_size, role=role)
+                    gpu_bytes=gpu_bytes, requests=args.grpo_prompts_per_step * args.grpo_group_size, role=role,
+                    fused_adam=not USING_PYTORCH_OPTIMIZER)

@@ -113,7 +113,8 @@ def test_plan_by_hand_each_lever():
     plan = plan_memory(_run(), Levers())
     assert {i.name: i.bytes for i in plan.items} == {
         "weights": 2 * params, "gradients": 4 * params, "optimizer": 12 * params, "KV cache + GDN states": 1000,
-        "engine logits buffer": 0, "activations": 2960, "LM head": 2880}
+        "engine logits buffer": 0, "activations": 2960, "LM head": 2880,
+        "optimizer step": 0}  # AdamW's 4 * params fit in what the backward freed
     assert plan.phase_bytes(GENERATION) == 18 * params + 1000
     assert plan.phase_bytes(TRAINING) == 18 * params + 1000 + 2960 + 2880 == plan.peak_bytes
     recompute = plan_memory(_run(), Levers(kv_cache_mode="recompute"))
@@ -138,7 +139,7 @@ def test_plan_by_hand_with_generators_apart():
     trainer = plan_memory(dataclasses.replace(_run(), role="trainer"), Levers())
     assert {i.name: i.bytes for i in trainer.items} == {
         "weights": 2 * params, "gradients": 4 * params, "optimizer": 12 * params, "activations": 2960,
-        "LM head": 2880}  # no engine
+        "LM head": 2880, "optimizer step": 0}  # no engine
     assert trainer.peak_bytes == 18 * params + 2960 + 2880 and trainer.requests_at_once == 0
     generator = plan_memory(dataclasses.replace(_run(), role="generator", requests=10), Levers())
     assert {i.name: i.bytes for i in generator.items} == {
@@ -150,6 +151,22 @@ def test_plan_by_hand_with_generators_apart():
     by_fraction = plan_memory(dataclasses.replace(_run(gpu=20_000), role="generator"), Levers(kv_cache_fraction=0.5))
     assert by_fraction.item("KV cache + GDN states").bytes == int(0.5 * (20_000 - 2 * params))
     assert "engine: the cache holds" not in memory.format_plan(trainer)
+
+
+def test_optimizer_step_by_hand(monkeypatch):
+    params = 372
+    assert memory.optimizer_step_bytes(params, Levers(), 1, fused_adam=False) == 4 * params  # sqrt(exp_avg_sq)
+    assert memory.optimizer_step_bytes(params, Levers(distributed_optimizer=True), 4, fused_adam=False) == params
+    assert memory.optimizer_step_bytes(params, Levers(), 1, fused_adam=True) == 0
+    assert memory.optimizer_step_bytes(params, Levers(optimizer_cpu_offload=True), 1, fused_adam=False) == 0
+    # the step comes after the backward has freed its tensors: it adds only what exceeds them
+    monkeypatch.setattr(memory, "activation_bytes", lambda *args: 100)
+    monkeypatch.setattr(memory, "logits_bytes", lambda *args: 200)
+    plan = plan_memory(_run(), Levers())
+    assert plan.item("optimizer step").bytes == 4 * params - 300
+    assert plan.phase_bytes(TRAINING) == 18 * params + 1000 + 4 * params
+    fused = plan_memory(dataclasses.replace(_run(), fused_adam=True), Levers())
+    assert fused.item("optimizer step").bytes == 0 and fused.phase_bytes(TRAINING) == 18 * params + 1000 + 300
 
 
 def test_kv_cache_sized_by_fraction_of_what_generation_leaves():
