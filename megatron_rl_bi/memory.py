@@ -431,8 +431,10 @@ def _training_items(run: RunShape, levers: Levers) -> list[Item]:
     ]
     step = optimizer_step_bytes(parameter_count(shape), levers, run.data_parallel, run.fused_adam)
     beyond = max(0, step - sum(item.bytes for item in backward))
-    return backward + [Item("optimizer step", beyond, (TRAINING,),
-                            f"torch AdamW's sqrt(exp_avg_sq), {step / GIB:.2f} GiB, beyond the backward's")]
+    note = ("none on the GPU (--optimizer-cpu-offload)" if levers.optimizer_cpu_offload else
+            "none (TE's or APEX's FusedAdam)" if run.fused_adam else
+            f"torch AdamW's sqrt(exp_avg_sq), {step / GIB:.2f} GiB, less the backward's freed tensors")
+    return backward + [Item("optimizer step", beyond, (TRAINING,), note)]
 
 
 def _variants(run: RunShape, levers: Levers) -> list[tuple[str, Levers]]:
