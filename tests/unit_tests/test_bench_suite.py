@@ -60,10 +60,11 @@ def test_every_models_flags_parse(name):
     assert args.hidden_size == (2560 if name == "qwen3_4b_long" else 2048)
 
 
-def test_the_long_context_model_decodes_at_4k_beside_a_recomputing_trainer():
+def test_the_long_context_model_decodes_at_4k_to_8k_beside_a_recomputing_trainer():
     profile_steps = _module("bench/profile_steps.py")
     args = build_parser(profile_steps.add_profile_args).parse_args(suite.COMMON + suite.MODELS["qwen3_4b_long"])
-    assert args.bench_prompt_tokens == [4096, 4096] and args.bench_requests == 64
+    assert args.bench_prompt_tokens == [4096, 8064] and args.bench_requests == 64
+    assert 8064 + args.bench_new_tokens <= args.inference_max_seq_length
     assert args.inference_max_seq_length == 8192 and args.recompute_granularity == "full"
     assert args.optimizer_cpu_offload and args.use_distributed_optimizer  # Adam beside the cache ran out of memory
     assert suite.build_parser().parse_args(["--output", "x.json"]).models == list(suite.RECORD)
