@@ -189,6 +189,7 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
             "decode_step_ms_median": decode_s * 1e3,
             "decode_interval_ms_median": interval_s * 1e3,
             "decode_tokens_per_s": len(work.prompts) / interval_s,  # the pace a caller gets
+            "decode_bytes_per_step": decode_bytes(args, work, args.bench_new_tokens),
             "decode_hbm_roofline_fraction": decode_bytes(args, work, args.bench_new_tokens)
             / decode_s / HBM_BYTES_PER_S,
             "train_fwd_bwd_s": train_s,

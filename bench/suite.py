@@ -61,9 +61,13 @@ MODELS = {
                       "--recompute-num-layers", "1", "--optimizer-cpu-offload",
                       "--use-precision-aware-optimizer", "--use-distributed-optimizer"],
 }
-RECORD = ("dense16", "dense4", "hybrid24")  # the benchmark of record; qwen3_4b_long is its own file
+# dense16 at 128 requests, an RL step's request count: the decode step's bytes grow with the
+# requests' KV cache while its host work does not.
+MODELS["dense16_128r"] = MODELS["dense16"] + ["--bench-requests", "128",
+                                              "--inference-dynamic-batching-max-requests", "128"]
+RECORD = ("dense16", "dense4", "hybrid24")  # the benchmark of record; the others are outside it
 # What a reader wants first, per model: ratios BI / default, and BI's decode step.
-HEADLINE = {"dense16": "dense", "hybrid24": "hybrid", "qwen3_4b_long": "long"}
+HEADLINE = {"dense16": "dense", "dense16_128r": "dense_128r", "hybrid24": "hybrid", "qwen3_4b_long": "long"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +113,7 @@ def summarize(profile: dict) -> dict:
         "decode_interval_ms_bi": bi.get("decode_interval_ms_median"),
         "decode_interval_ms_default": default.get("decode_interval_ms_median"),
         "decode_roofline_fraction_bi": bi["decode_hbm_roofline_fraction"],
+        "decode_gb_per_step": bi["decode_bytes_per_step"] / 1e9,
         "decode_roofline_fraction_default": default["decode_hbm_roofline_fraction"],
         "train_fwd_bwd_s": {"bi": bi["train_fwd_bwd_s"], "default": default["train_fwd_bwd_s"]},
         "rl_update_s": {"bi": bi["rl_update_s"], "default": default["rl_update_s"]},
@@ -158,14 +163,15 @@ def markdown_table(report: dict) -> str:
     intervals where the file has them), BI's roofline fraction, and the commit and extra flags
     the numbers came from."""
     lines = ["| model | trainer fwd+bwd | RL update | generation | decode step BI / default "
-             "| decode interval BI / default | BI decode, HBM roofline |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| decode interval BI / default | bytes a decode step reads | BI decode, HBM roofline |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, m in report["models"].items():
         interval = (f"{m['decode_interval_ms_bi']:.2f} / {m['decode_interval_ms_default']:.2f} ms"
                     if m.get("decode_interval_ms_bi") is not None else "not measured")
+        step_bytes = f"{m['decode_gb_per_step']:.1f} GB" if "decode_gb_per_step" in m else "not recorded"
         lines.append(f"| {name} | {m['trainer_ratio']:.2f}x | {m['update_ratio']:.2f}x "
                      f"| {m['generation_ratio']:.2f}x | {m['decode_ms_bi']:.2f} / {m['decode_ms_default']:.2f} ms "
-                     f"| {interval} | {m['decode_roofline_fraction_bi']:.1%} |")
+                     f"| {interval} | {step_bytes} | {m['decode_roofline_fraction_bi']:.1%} |")
     flags = report.get("extra_flags") or "none"
     rounds = report.get("rounds", 1)
     medians = f", medians of {rounds} rounds" if rounds > 1 else ""

@@ -23,7 +23,8 @@ def _module(relative_path):
 suite = _module("bench/suite.py")
 bench_report = _module("bench/report.py")
 MODE = {"train_fwd_bwd_s": 1.0, "rl_update_s": 2.0, "generate_s": 4.0, "decode_step_ms_median": 30.0,
-        "decode_interval_ms_median": 25.0, "decode_hbm_roofline_fraction": 0.02, "parity_max": 0.0}
+        "decode_interval_ms_median": 25.0, "decode_hbm_roofline_fraction": 0.02, "parity_max": 0.0,
+        "decode_bytes_per_step": 3.5e9}
 
 
 def test_ratios_and_headline_keys():
@@ -75,17 +76,19 @@ def test_markdown_table_from_a_report():
     report = {"device": "NVIDIA H200", "git_commit": "0123456789abcdef", "extra_flags": "",
               "models": {"dense16": model}}
     assert suite.markdown_table(report).splitlines()[2] == (
-        "| dense16 | 1.50x | 1.00x | 1.00x | 30.00 / 30.00 ms | 25.00 / 25.00 ms | 2.0% |")
+        "| dense16 | 1.50x | 1.00x | 1.00x | 30.00 / 30.00 ms | 25.00 / 25.00 ms | 3.5 GB | 2.0% |")
     assert "commit 0123456, extra flags: none." in suite.markdown_table(report)
     report["rounds"] = 3
     assert "extra flags: none, medians of 3 rounds." in suite.markdown_table(report)
 
 
-def test_markdown_table_of_a_file_without_decode_intervals():
+def test_markdown_table_of_a_file_without_decode_intervals_or_bytes():
     old = {key: value for key, value in MODE.items() if key != "decode_interval_ms_median"}
+    model = suite.summarize({"bi": old, "default": old})
+    del model["decode_gb_per_step"]  # files written before the bytes were recorded
     report = {"device": "NVIDIA H200", "git_commit": "0123456789abcdef", "extra_flags": "",
-              "models": {"dense16": suite.summarize({"bi": old, "default": old})}}
-    assert "| 30.00 / 30.00 ms | not measured | 2.0% |" in suite.markdown_table(report)
+              "models": {"dense16": model}}
+    assert "| 30.00 / 30.00 ms | not measured | not recorded | 2.0% |" in suite.markdown_table(report)
 
 
 class _Clock:
