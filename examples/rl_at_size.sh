@@ -3,14 +3,17 @@
 # of the published configuration, one GPU unless NPROC says more: the recipe as a user runs it,
 # with the sizing reward (random weights answer every prompt wrong, and DAPO's dynamic sampling
 # would drop every group) and the memory plan of the same flags beside the run's step records.
-# Usage: [NPROC=N] bash examples/rl_at_size.sh qwen3-4b|qwen3.5-9b [STEPS] [LAYERS] [extra flags]
-#   LAYERS: the preset's widths at fewer layers (tools/random_hf_checkpoint.py --num-hidden-layers)
+# Usage: [NPROC=N] bash examples/rl_at_size.sh qwen3-4b|qwen3.5-9b [STEPS [LAYERS]] [extra flags]
+#   LAYERS (a number; leave it out for the published depth): the preset's widths at fewer layers
+#   (tools/random_hf_checkpoint.py --num-hidden-layers)
 #   NPROC: processes (GPUs), 1 by default; e.g. NPROC=2 with --rl-generator-ranks 1 --refit-method nccl
 #   for a trainer GPU and a generator GPU, or with --use-distributed-optimizer for data parallelism
 # Writes runs/PRESET[_LAYERSl]_8k/: hf/, memory_plan.json, metrics.jsonl, run.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-preset=$1; steps=${2:-3}; layers=${3:-}; shift $(( $# < 3 ? $# : 3 ))
+preset=$1; steps=${2:-3}; shift $(( $# < 2 ? $# : 2 ))
+layers=""; if [[ ${1:-} =~ ^[0-9]+$ ]]; then layers=$1; shift; fi  # LAYERS only as a number: flags may follow STEPS
+[[ $steps =~ ^[0-9]+$ ]] || { echo "rl_at_size.sh: STEPS must be a number, got '$steps'" >&2; exit 2; }
 case "$preset" in
   qwen3.5-*) recipe=examples/recipes/qwen35_math_dapo.yaml ;;
   qwen3-*) recipe=examples/recipes/qwen3_math_dapo.yaml ;;
