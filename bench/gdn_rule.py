@@ -11,7 +11,6 @@ memory above its inputs with the torch rule's backward and with the 'auto' one.
 """
 
 import argparse
-import contextlib
 import os
 import sys
 from functools import partial
@@ -70,7 +69,7 @@ def measure(tokens, sequences, heads, dim) -> dict:
     ms["ratio_recurrent_vs_chunk_forward"] = (
         ms["recurrent_forward_ms"] / ms["fla_chunk_forward_ms"])
     if not compat.fla_chunk_backward_works():  # fla's own refused kernels, for comparison
-        with compat.fla_hopper_backward_guard_lifted(), _flas_own_dqkwg():
+        with compat.fla_hopper_backward_guard_lifted():
             own = {**_fla_backward(step, chunk_gated_delta_rule), "gradient_error": _gradient_error(inputs, step, "fla")}
         ms.update({f"guard_lifted_{key}": value for key, value in own.items()})
     ms.update(_fla_backward(step, chunk_gated_delta_rule))  # the torch step stands in where fla refuses
@@ -81,20 +80,6 @@ def measure(tokens, sequences, heads, dim) -> dict:
     for name, backend in (("torch_backward", "torch"), ("auto", "auto")):  # the backward's workspace
         ms[f"bi_step_{name}_peak_mib"] = peak_mib(lambda: step(partial(gated_delta_rule, chunk_backend=backend)))
     return ms
-
-
-@contextlib.contextmanager
-def _flas_own_dqkwg():
-    """fla's gated delta rule backward with its own chunk_bwd_dqkwg, where ours stands in."""
-    import fla.ops.common.chunk_o as chunk_o
-    import fla.ops.gated_delta_rule.chunk as gated_delta_rule_chunk
-
-    installed = gated_delta_rule_chunk.chunk_bwd_dqkwg
-    gated_delta_rule_chunk.chunk_bwd_dqkwg = chunk_o.chunk_bwd_dqkwg
-    try:
-        yield
-    finally:
-        gated_delta_rule_chunk.chunk_bwd_dqkwg = installed
 
 
 def _fla_backward(step, chunk_gated_delta_rule) -> dict:

@@ -181,6 +181,7 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
         profiled_decode_steps = hook.profiled_steps
         python_profile = PythonProfiler()
         hook.run(work, args.bench_new_tokens, python_profile, synchronize=False)
+        step_bytes = decode_bytes(args, work, args.bench_new_tokens)
         result = {
             "generate_s": generate_s,
             "engine_steps": step_time_summary(step_times),
@@ -189,9 +190,8 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
             "decode_step_ms_median": decode_s * 1e3,
             "decode_interval_ms_median": interval_s * 1e3,
             "decode_tokens_per_s": len(work.prompts) / interval_s,  # the pace a caller gets
-            "decode_bytes_per_step": decode_bytes(args, work, args.bench_new_tokens),
-            "decode_hbm_roofline_fraction": decode_bytes(args, work, args.bench_new_tokens)
-            / decode_s / HBM_BYTES_PER_S,
+            "decode_bytes_per_step": step_bytes,
+            "decode_hbm_roofline_fraction": step_bytes / decode_s / HBM_BYTES_PER_S,
             "train_fwd_bwd_s": train_s,
             "rl_update_s": update_s,
             "decode_ops": op_table(decode_profile, profiled_decode_steps, args.bench_op_rows),

@@ -48,9 +48,9 @@ MODELS = {
     # Qwen3-4B's widths and depth decoding long responses, where the KV cache, not the weights,
     # is most of a step's bytes: 64 requests (the Qwen3 recipe's engine runs 64 at a time) at
     # contexts spread over 4K-8K tokens, as the recipe's second half of a response; the trainer
-    # with full recompute, as the recipe trains. The engine's cache
-    # stays on the GPU through the bench's update, so Adam's state (~60 GiB at 4B) goes to the CPU
-    # (rl_update_s is that CPU update's time); on the GPU beside the cache it ran out of memory.
+    # with full recompute, as the recipe trains. The engine's cache stays on the GPU through the
+    # bench's update, so Adam's state (~60 GiB at 4B) goes to the CPU (rl_update_s is that CPU
+    # update's time); on the GPU beside the cache it ran out of memory.
     "qwen3_4b_long": ["--num-layers", "36", "--hidden-size", "2560", "--ffn-hidden-size", "9728",
                       "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
                       "--kv-channels", "128", "--qk-layernorm", "--bench-vocab-size", "151936",

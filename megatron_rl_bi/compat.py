@@ -190,15 +190,17 @@ def fla_hopper_backward_guard_lifted():
     Triton miscompiles a transposed operand left in the wgmma accumulator layout (fla issue 640,
     reported at BK = 64; fla 0.6.0 tiles heads of K = 128 with BK = 128 on Hopper). Lifted only to
     measure the refused kernel (bench/gdn_rule.py: its time, and its gradients against the torch
-    rule's); no training path lifts it (`replace_fla_gated_dqkwg` instead)."""
+    rule's), so fla's own step is back in the gated delta rule's backward meanwhile, in place of
+    any `replace_fla_gated_dqkwg` replacement; no training path lifts it."""
     import fla.ops.common.chunk_o as chunk_o
+    import fla.ops.gated_delta_rule.chunk as gated_delta_rule_chunk
 
-    saved = chunk_o.TRITON_ABOVE_3_7_1
-    chunk_o.TRITON_ABOVE_3_7_1 = True
+    saved = chunk_o.TRITON_ABOVE_3_7_1, gated_delta_rule_chunk.chunk_bwd_dqkwg
+    chunk_o.TRITON_ABOVE_3_7_1, gated_delta_rule_chunk.chunk_bwd_dqkwg = True, chunk_o.chunk_bwd_dqkwg
     try:
         yield
     finally:
-        chunk_o.TRITON_ABOVE_3_7_1 = saved
+        chunk_o.TRITON_ABOVE_3_7_1, gated_delta_rule_chunk.chunk_bwd_dqkwg = saved
 
 
 @contextlib.contextmanager

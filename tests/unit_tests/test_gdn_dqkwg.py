@@ -68,3 +68,19 @@ def test_operands_are_rounded_to_the_products_dtype_as_the_kernel_casts_them():
     assert torch.equal(_rounded(fp32_state, torch.float32, torch.float32), fp32_state)
     bf16_state = torch.tensor([1 + 2**-7])
     assert _rounded(bf16_state, torch.bfloat16, torch.bfloat16) is bf16_state  # already of its values
+
+
+def test_lifting_fla_refusal_measures_flas_own_step(monkeypatch):
+    """bench/gdn_rule.py times fla's refused backward with the guard lifted: that backward must then
+    run fla's own chunk_bwd_dqkwg, not the torch step installed in its place, and get it back after."""
+    import fla.ops.common.chunk_o as chunk_o
+    import fla.ops.gated_delta_rule.chunk as gated_delta_rule_chunk
+
+    from megatron_rl_bi import compat
+
+    monkeypatch.setattr(gated_delta_rule_chunk, "chunk_bwd_dqkwg", gated_delta_rule_chunk.chunk_bwd_dqkwg)
+    monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", False)
+    compat.replace_fla_gated_dqkwg(chunk_bwd_dqkwg)
+    with compat.fla_hopper_backward_guard_lifted():
+        assert gated_delta_rule_chunk.chunk_bwd_dqkwg is chunk_o.chunk_bwd_dqkwg and chunk_o.TRITON_ABOVE_3_7_1
+    assert gated_delta_rule_chunk.chunk_bwd_dqkwg is chunk_bwd_dqkwg and not chunk_o.TRITON_ABOVE_3_7_1
