@@ -45,6 +45,9 @@ def add_profile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group = parser.add_argument_group("profile")
     group.add_argument("--bench-op-rows", type=positive_int, default=25)
     group.add_argument("--bench-output", default=None)
+    group.add_argument("--bench-generation-only", action="store_true",
+                       help="the engine alone: no trainer forward+backward, RL update or optimizer "
+                            "(the long-response workload, whose trainer the RL run at size times)")
     return parser
 
 
@@ -160,23 +163,29 @@ def decode_bytes(args, work: Workload, new_tokens: int) -> float:
     return weights + kv + gdn
 
 
+def trainer_times(args, work: Workload) -> dict:
+    """The packed trainer forward+backward, the RL update on the bench's rollouts, and the
+    forward+backward's op table."""
+    train_s = seconds(work.train_step, 3)
+    rollouts = work.rollouts(args.bench_new_tokens)
+    update_s = seconds(lambda: work.rl_update(rollouts), 3)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as train_profile:
+        work.train_step()
+        torch.cuda.synchronize()
+    return {"train_fwd_bwd_s": train_s, "rl_update_s": update_s,
+            "train_ops": op_table(train_profile, 1, args.bench_op_rows)}
+
+
 def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
     with bi.batch_invariant(batch_invariant):
-        work = build_workload(args, weights)
+        work = build_workload(args, weights, trains=not args.bench_generation_only)
         hook = EngineStepHook(work.generator.engine)
         hook.run(work, args.bench_new_tokens)  # warm-up
         step_times = hook.run(work, args.bench_new_tokens)
         decode_s = statistics.median(step_times[1:])
         generate_s, paced_runs = caller_generations(hook, work, args.bench_new_tokens)
         interval_s = statistics.median(t for run in paced_runs for t in run[1:])
-        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-        train_s = seconds(work.train_step, 3)
-        rollouts = work.rollouts(args.bench_new_tokens)
-        update_s = seconds(lambda: work.rl_update(rollouts), 3)
-        with profile(activities=activities) as train_profile:
-            work.train_step()
-            torch.cuda.synchronize()
-        decode_profile = profile(activities=activities)
+        decode_profile = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
         hook.run(work, PROFILED_NEW_TOKENS, decode_profile)
         profiled_decode_steps = hook.profiled_steps
         python_profile = PythonProfiler()
@@ -192,15 +201,14 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
             "decode_tokens_per_s": len(work.prompts) / interval_s,  # the pace a caller gets
             "decode_bytes_per_step": step_bytes,
             "decode_hbm_roofline_fraction": step_bytes / decode_s / HBM_BYTES_PER_S,
-            "train_fwd_bwd_s": train_s,
-            "rl_update_s": update_s,
             "decode_ops": op_table(decode_profile, profiled_decode_steps, args.bench_op_rows),
             "decode_ops_steps": profiled_decode_steps,
             "decode_python": python_table(python_profile, hook.profiled_steps, args.bench_op_rows),
             "decode_python_steps": hook.profiled_steps,
-            "train_ops": op_table(train_profile, 1, args.bench_op_rows),
             "parity_max": work.parity_max(),
         }
+        if work.trains:
+            result.update(trainer_times(args, work))
         state = cpu_state_dict(work.model)
     return result, state
 
@@ -209,7 +217,7 @@ def main() -> None:
     args, report = run_in_both_modes(add_profile_args, measure)
     keys = ("prefill_ms", "decode_step_ms_median", "decode_interval_ms_median", "decode_hbm_roofline_fraction",
             "train_fwd_bwd_s", "parity_max")
-    write_report(report, {mode: {k: report[mode][k] for k in keys} for mode in ("bi", "default")},
+    write_report(report, {mode: {k: report[mode].get(k) for k in keys} for mode in ("bi", "default")},
                  args.bench_output)
     check_bi_parity(report)
 

@@ -18,6 +18,7 @@ host-bound, and one process's host can run it slower than the next one's (result
 import argparse
 import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -47,19 +48,16 @@ MODELS = {
                  "--linear-conv-kernel-dim", "4", "--bench-vocab-size", "151936"],
     # Qwen3-4B's widths and depth decoding long responses, where the KV cache, not the weights,
     # is most of a step's bytes: 64 requests (the Qwen3 recipe's engine runs 64 at a time) at
-    # contexts spread over 4K-8K tokens, as the recipe's second half of a response; the trainer
-    # with full recompute, as the recipe trains. The engine's cache stays on the GPU through the
-    # bench's update, so Adam's state (~60 GiB at 4B) goes to the CPU (rl_update_s is that CPU
-    # update's time); on the GPU beside the cache it ran out of memory.
+    # contexts spread over 4K-8K tokens, as the recipe's second half of a response. The engine
+    # alone: the trainer at this size is timed by the RL run (examples/rl_at_size.sh), and with it
+    # and its CPU optimizer one run outlasted a device call (9 minutes, killed in its second mode).
     "qwen3_4b_long": ["--num-layers", "36", "--hidden-size", "2560", "--ffn-hidden-size", "9728",
                       "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
                       "--kv-channels", "128", "--qk-layernorm", "--bench-vocab-size", "151936",
                       "--seq-length", "8192", "--max-position-embeddings", "8192",
                       "--inference-max-seq-length", "8192", "--inference-dynamic-batching-buffer-size-gb", "64",
                       "--bench-requests", "64", "--bench-prompt-tokens", "4096", "8064", "--bench-new-tokens", "64",
-                      "--recompute-granularity", "full", "--recompute-method", "uniform",
-                      "--recompute-num-layers", "1", "--optimizer-cpu-offload",
-                      "--use-precision-aware-optimizer", "--use-distributed-optimizer"],
+                      "--bench-generation-only"],
 }
 # dense16 at 128 requests, an RL step's request count: the decode step's bytes grow with the
 # requests' KV cache while its host work does not.
@@ -102,11 +100,16 @@ def _run(script: str, flags: list[str], output_flag: str, path: str) -> tuple[di
         return None, f"exit {code}, {exc}"
 
 
+def _ratio(bi: dict, default: dict, key: str) -> float | None:
+    """BI / default of `key`; None where the bench did not measure it (--bench-generation-only)."""
+    return bi[key] / default[key] if key in bi and key in default else None
+
+
 def summarize(profile: dict) -> dict:
     bi, default = profile["bi"], profile["default"]
     return {
-        "trainer_ratio": bi["train_fwd_bwd_s"] / default["train_fwd_bwd_s"],
-        "update_ratio": bi["rl_update_s"] / default["rl_update_s"],
+        "trainer_ratio": _ratio(bi, default, "train_fwd_bwd_s"),
+        "update_ratio": _ratio(bi, default, "rl_update_s"),
         "generation_ratio": bi["generate_s"] / default["generate_s"],
         "decode_ms_bi": bi["decode_step_ms_median"],
         "decode_ms_default": default["decode_step_ms_median"],
@@ -115,8 +118,8 @@ def summarize(profile: dict) -> dict:
         "decode_roofline_fraction_bi": bi["decode_hbm_roofline_fraction"],
         "decode_gb_per_step": bi["decode_bytes_per_step"] / 1e9,
         "decode_roofline_fraction_default": default["decode_hbm_roofline_fraction"],
-        "train_fwd_bwd_s": {"bi": bi["train_fwd_bwd_s"], "default": default["train_fwd_bwd_s"]},
-        "rl_update_s": {"bi": bi["rl_update_s"], "default": default["rl_update_s"]},
+        "train_fwd_bwd_s": {"bi": bi.get("train_fwd_bwd_s"), "default": default.get("train_fwd_bwd_s")},
+        "rl_update_s": {"bi": bi.get("rl_update_s"), "default": default.get("rl_update_s")},
         "generate_s": {"bi": bi["generate_s"], "default": default["generate_s"]},
         "engine_steps": {"bi": bi.get("engine_steps"), "default": default.get("engine_steps")},
         "engine_steps_unsynchronized": {"bi": bi.get("engine_steps_unsynchronized"),
@@ -169,7 +172,9 @@ def markdown_table(report: dict) -> str:
         interval = (f"{m['decode_interval_ms_bi']:.2f} / {m['decode_interval_ms_default']:.2f} ms"
                     if m.get("decode_interval_ms_bi") is not None else "not measured")
         step_bytes = f"{m['decode_gb_per_step']:.1f} GB" if "decode_gb_per_step" in m else "not recorded"
-        lines.append(f"| {name} | {m['trainer_ratio']:.2f}x | {m['update_ratio']:.2f}x "
+        trainer, update = (f"{m[key]:.2f}x" if m[key] is not None else "not measured"
+                           for key in ("trainer_ratio", "update_ratio"))
+        lines.append(f"| {name} | {trainer} | {update} "
                      f"| {m['generation_ratio']:.2f}x | {m['decode_ms_bi']:.2f} / {m['decode_ms_default']:.2f} ms "
                      f"| {interval} | {step_bytes} | {m['decode_roofline_fraction_bi']:.1%} |")
     flags = report.get("extra_flags") or "none"
@@ -189,8 +194,8 @@ def plot(models: dict, path: str) -> None:
     names = list(models)
     fig, (ratio_ax, decode_ax) = plt.subplots(1, 2, figsize=(10, 4))
     for offset, key in ((-0.2, "trainer_ratio"), (0.2, "generation_ratio")):
-        ratio_ax.bar([i + offset for i in range(len(names))], [models[n][key] for n in names],
-                     width=0.4, label=key.replace("_", " "))
+        ratios = [math.nan if models[n][key] is None else models[n][key] for n in names]  # nan: no bar
+        ratio_ax.bar([i + offset for i in range(len(names))], ratios, width=0.4, label=key.replace("_", " "))
     ratio_ax.axhline(1.0, color="gray", linewidth=0.8)
     ratio_ax.set_xticks(range(len(names)), names)
     ratio_ax.set_ylabel("BI time / default time")

@@ -3,6 +3,7 @@ and optimizer, its engine, the requests, a packed trainer batch, and the RL upda
 
 import argparse
 import gc
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,11 +52,15 @@ def add_workload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 @dataclass
 class Workload:
     model: torch.nn.Module
-    ddp: torch.nn.Module
+    ddp: torch.nn.Module | None  # None (and no optimizer) where the bench measures the engine alone
     optimizer: object
     generator: Generator
     prompts: list[list[int]]
     batch: PackedBatch
+
+    @property
+    def trains(self) -> bool:
+        return self.ddp is not None
 
     def train_step(self) -> None:
         """One packed forward+backward (no optimizer)."""
@@ -87,9 +92,9 @@ class Workload:
         return result["all_reported"]["bit_wise/logprob_diff/max"]
 
 
-def build_workload(args: argparse.Namespace, weights: dict | None = None) -> Workload:
+def build_workload(args: argparse.Namespace, weights: dict | None = None, trains: bool = True) -> Workload:
     """The model (with `weights` if given) in the current BI mode, wrapped in Megatron's DDP
-    with its optimizer; prompts of --bench-prompt-tokens."""
+    with its optimizer unless it does not `trains`; prompts of --bench-prompt-tokens."""
     low, high = args.bench_prompt_tokens
     if low > high:
         raise SystemExit(f"--bench-prompt-tokens {low} {high}: MIN must not exceed MAX")
@@ -99,7 +104,8 @@ def build_workload(args: argparse.Namespace, weights: dict | None = None) -> Wor
     prompts, _ = random_requests(args.bench_requests, (low, high), (1, 1), args.bench_vocab_size, 0)
     lengths = [TRAIN_SEQUENCE_TOKENS] * (args.bench_train_tokens // TRAIN_SEQUENCE_TOKENS)
     batch = pack_sequences([prompts[i % len(prompts)][:1] * n for i, n in enumerate(lengths)]).to("cuda")
-    ddp, optimizer = build_ddp_and_optimizer(args, model)  # before the engine: DDP may move params
+    # before the engine: DDP may move params
+    ddp, optimizer = build_ddp_and_optimizer(args, model) if trains else (None, None)
     return Workload(model, ddp, optimizer, Generator(model, engine_config_from_args(args)), prompts,
                     batch)
 
@@ -117,6 +123,7 @@ def run_in_both_modes(extra_args_provider, measure: Callable) -> tuple[argparse.
     first, second = (False, True) if args.bench_default_first else (True, False)
     results = {}
     results[first], weights = measure(args, first, None)
+    print_numbers(first, results[first])
     # megatron-core's global graph record keeps the first engine's graph runners, and through them
     # its model, alive past measure's frame: release them before the second mode builds its own.
     delete_cuda_graphs()
@@ -126,11 +133,18 @@ def run_in_both_modes(extra_args_provider, measure: Callable) -> tuple[argparse.
     torch.cuda.empty_cache()
     print(f"between the modes: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated", flush=True)
     results[second], _ = measure(args, second, weights)
+    print_numbers(second, results[second])
     torch.distributed.destroy_process_group()
     config = {k: str(v) for k, v in vars(args).items()
               if k.startswith(("bench_", "hidden", "num_layers", "num_attention", "num_query", "ffn",
                                "hybrid", "cuda_graph", "inference_cuda_graph"))}
     return args, {**provenance(), "config": config, "bi": results[True], "default": results[False]}
+
+
+def print_numbers(batch_invariant: bool, result: dict) -> None:
+    """A mode's numbers in the log once measured: a run stopped in its second mode keeps the first's."""
+    numbers = {key: value for key, value in result.items() if isinstance(value, float | int)}
+    print(f"{'bi' if batch_invariant else 'default'} mode: {json.dumps(numbers)}", flush=True)
 
 
 def check_bi_parity(report: dict) -> None:

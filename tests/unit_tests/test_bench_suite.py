@@ -61,13 +61,12 @@ def test_every_models_flags_parse(name):
     assert args.hidden_size == (2560 if name == "qwen3_4b_long" else 2048)
 
 
-def test_the_long_context_model_decodes_at_4k_to_8k_beside_a_recomputing_trainer():
+def test_the_long_context_model_decodes_at_4k_to_8k_with_the_engine_alone():
     profile_steps = _module("bench/profile_steps.py")
     args = build_parser(profile_steps.add_profile_args).parse_args(suite.COMMON + suite.MODELS["qwen3_4b_long"])
     assert args.bench_prompt_tokens == [4096, 8064] and args.bench_requests == 64
-    assert 8064 + args.bench_new_tokens <= args.inference_max_seq_length
-    assert args.inference_max_seq_length == 8192 and args.recompute_granularity == "full"
-    assert args.optimizer_cpu_offload and args.use_distributed_optimizer  # Adam beside the cache ran out of memory
+    assert 8064 + args.bench_new_tokens <= args.inference_max_seq_length == 8192
+    assert args.bench_generation_only
     assert suite.build_parser().parse_args(["--output", "x.json"]).models == list(suite.RECORD)
 
 
@@ -80,6 +79,18 @@ def test_markdown_table_from_a_report():
     assert "commit 0123456, extra flags: none." in suite.markdown_table(report)
     report["rounds"] = 3
     assert "extra flags: none, medians of 3 rounds." in suite.markdown_table(report)
+
+
+def test_a_generation_only_profile_has_no_trainer_ratios_and_says_so():
+    engine_only = {key: value for key, value in MODE.items() if key not in ("train_fwd_bwd_s", "rl_update_s")}
+    model = suite.summarize({"bi": {**engine_only, "generate_s": 5.0}, "default": engine_only})
+    assert (model["trainer_ratio"], model["update_ratio"], model["generation_ratio"]) == (None, None, 1.25)
+    assert suite.summarize_rounds([{"bi": engine_only, "default": engine_only}] * 3)["trainer_ratio"] is None
+    report = {"device": "NVIDIA H200", "git_commit": "0123456789abcdef", "extra_flags": "",
+              "models": {"qwen3_4b_long": model}}
+    assert suite.markdown_table(report).splitlines()[2].startswith(
+        "| qwen3_4b_long | not measured | not measured | 1.25x | 30.00 / 30.00 ms |")
+    assert suite.headline({"qwen3_4b_long": model})["trainer_ratio_long"] is None
 
 
 def test_markdown_table_of_a_file_without_decode_intervals_or_bytes():
