@@ -48,6 +48,8 @@ class ModelShape:
     gdn_value_dim: int = 0
     gdn_conv_kernel: int = 0
     param_bytes: int = 2
+    rotary_dim: int = 0
+    """Channels of a head that RoPE rotates (--rotary-percent of the head dim); 0 without RoPE."""
 
     def count(self, symbol: str) -> int:
         return sum(layer.count(symbol) for layer in self.layers)
@@ -98,25 +100,38 @@ def parameter_count(shape: ModelShape) -> int:
 
 def activation_bytes_per_token(shape: ModelShape, symbol: str) -> int:
     """Bytes a layer of kind `symbol` keeps for its backward, per token, in the params dtype (fp32
-    where the kernels keep fp32): the tensors each op saves, a view counted with its storage."""
+    where the kernels keep fp32): the tensors each op saves, a view counted with its storage (as
+    counted on megatron-core's layers in BI mode: tests/unit_tests/test_memory_saved_tensors.py)."""
     h, e = shape.hidden, shape.param_bytes
     norm = h * e + 4  # the norm's input and its fp32 1/rms
     if symbol == "-":
         up = shape.ffn * (2 if shape.swiglu else 1)
-        act = 2 * shape.ffn if shape.swiglu else shape.ffn  # silu(gate) and the product
+        # silu(gate) and the product; megatron-core's GLU adds its linear offset to the linear half
+        # (x + glu_linear_offset, a new tensor) before the product saves it
+        act = 3 * shape.ffn if shape.swiglu else shape.ffn
         return norm + (h + up + act) * e  # fc1 input, fc1 output, activation outputs
     if symbol == "*":
-        q, kv = shape.q_dim, shape.kv_dim
-        qkv = q * (2 if shape.output_gate else 1) + 2 * kv  # fc input h, output kept by v's view
-        attention = q + kv + q  # rotated q and k, FlashAttention's output
-        gate = 2 * q if shape.output_gate else 0  # sigmoid(gate) and the gated output
-        return norm + (h + qkv + attention + gate) * e + 4 * shape.heads  # + FA's fp32 lse
+        return norm + _attention_bytes_per_token(shape)
     keys, values, value_heads = shape.gdn_dims
     projected = 2 * keys + 2 * values + 2 * value_heads
     q_and_k = 2 * value_heads * shape.gdn_key_dim  # repeated to the value heads
     bf16 = h + projected + q_and_k + values + value_heads + 3 * values  # + core, norm out, proj in
     fp32 = 3 * value_heads + 2 * values + value_heads  # g and softplus, gate and silu, 1/rms
     return norm + bf16 * e + fp32 * 4
+
+
+def _attention_bytes_per_token(shape: ModelShape) -> int:
+    """Attention after its norm: the QKV projection's input and output (kept by v's view), QK
+    norms' inputs (contiguous copies of q and k) with their fp32 1/rms per head, RoPE's cos and
+    sin (cast to the params dtype for q and for k), rotated q and k, FlashAttention's output and
+    fp32 log-sum-exp, and the output gate's sigmoid and product."""
+    e, q, kv = shape.param_bytes, shape.q_dim, shape.kv_dim
+    qkv = q * (2 if shape.output_gate else 1) + 2 * kv
+    qk_norm = (q + kv) * e + (shape.heads + shape.kv_heads) * 4 if shape.qk_norm else 0
+    rotary = 4 * shape.rotary_dim * e
+    attention = q + kv + q  # rotated q and k, FlashAttention's output
+    gate = 2 * q if shape.output_gate else 0
+    return (shape.hidden + qkv + attention + gate) * e + qk_norm + rotary + 4 * shape.heads
 
 
 @dataclass(frozen=True)
@@ -136,15 +151,30 @@ def activation_bytes(shape: ModelShape, tokens: int, recompute: Recompute) -> in
     """Activations of one packed micro-batch of `tokens` at their peak: the end of the forward,
     or, under full recompute, a checkpointed chunk's backward (the chunk recomputed, the layers
     after it already freed, every earlier chunk's input kept)."""
+    kept, recomputing = _activation_phases(shape, tokens, recompute)
+    return max(kept, recomputing)
+
+
+def backward_activation_bytes(shape: ModelShape, tokens: int, recompute: Recompute, head_bytes: int) -> int:
+    """What the activations add to the LM head's `head_bytes` at the backward's peak. The head's
+    backward runs first, beside the activations kept through the forward; a recomputed chunk
+    comes after it has freed its chunk of logits, so the two are never held together."""
+    kept, recomputing = _activation_phases(shape, tokens, recompute)
+    return max(kept, recomputing - head_bytes)
+
+
+def _activation_phases(shape: ModelShape, tokens: int, recompute: Recompute) -> tuple[int, int]:
+    """(activations kept through the forward, the most held while a checkpointed chunk is
+    recomputed in the backward; 0 without full recompute)."""
     full = [_layer_bytes(shape, layer, tokens) for layer in shape.layers]
     boundary = tokens * shape.hidden * shape.param_bytes  # a checkpointed chunk's input
     if recompute.granularity != "full":
-        return sum(full)
+        return sum(full), 0
     n = recompute.num_layers
     if recompute.method == "block":  # the first n layers checkpointed one by one, the rest kept
-        return n * boundary + max(sum(full[n:]), max(full[:n], default=0))
+        return n * boundary + sum(full[n:]), n * boundary + max(full[:n], default=0)
     chunks = [sum(full[i:i + n]) for i in range(0, len(full), n)]
-    return len(chunks) * boundary + max(chunks)
+    return len(chunks) * boundary, len(chunks) * boundary + max(chunks)
 
 
 def logits_bytes(shape: ModelShape, tokens: int) -> int:
@@ -422,12 +452,13 @@ def _training_items(run: RunShape, levers: Levers) -> list[Item]:
     """The backward's activations and LM head; then the optimizer's step, which runs once they
     are freed and so adds only what it takes beyond them."""
     shape, tokens = run.model, run.trainer_tokens
+    head = logits_bytes(shape, tokens)
     backward = [
-        Item("activations", activation_bytes(shape, tokens, levers.recompute), (TRAINING,),
+        Item("activations", backward_activation_bytes(shape, tokens, levers.recompute, head), (TRAINING,),
              f"{tokens} tokens, recompute {levers.recompute.granularity or 'none'}"
              + (f" (none: {activation_bytes(shape, tokens, Recompute()) / GIB:.2f} GiB)"
                 if levers.recompute.granularity else "")),
-        Item("LM head", logits_bytes(shape, tokens), (TRAINING,), "hidden states + one chunk of logits"),
+        Item("LM head", head, (TRAINING,), "hidden states + one chunk of logits"),
     ]
     step = optimizer_step_bytes(parameter_count(shape), levers, run.data_parallel, run.fused_adam)
     beyond = max(0, step - sum(item.bytes for item in backward))

@@ -137,6 +137,8 @@ def model_shape_from_args(args: argparse.Namespace, vocab_size: int) -> ModelSha
         gdn_key_heads=args.linear_num_key_heads or 0, gdn_value_heads=args.linear_num_value_heads or 0,
         gdn_key_dim=args.linear_key_head_dim or 0, gdn_value_dim=args.linear_value_head_dim or 0,
         gdn_conv_kernel=args.linear_conv_kernel_dim or 0, param_bytes=2 if args.bf16 or args.fp16 else 4,
+        rotary_dim=(int(args.kv_channels * args.rotary_percent)
+                    if args.position_embedding_type in ("rope", "mrope") else 0),
     )
 
 

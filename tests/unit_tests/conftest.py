@@ -46,7 +46,7 @@ def cpu_dispatch(monkeypatch):
     CUDA build of torch even on a machine without a GPU; CPU tests run CPU tensors.
     """
     if not torch.cuda.is_available():
-        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: None)
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *check_available: None)
 
 
 class CudaRng:

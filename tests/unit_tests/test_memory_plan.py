@@ -76,18 +76,39 @@ def test_parameters_by_hand():
 
 def test_activations_by_hand():
     # per token, bf16 (2 bytes): MLP: norm input 4*2 + 4 (1/rms) = 12, fc1 input 4, fc1 output 16,
-    # silu and product 16 -> 12 + 36*2 = 84. Attention: norm 12, qkv input 4 and output 8,
-    # rotated q 4 and k 2, output 4 -> 12 + 22*2, + fp32 lse 2 heads * 4 -> 64. A layer: 148.
-    assert activation_bytes(DENSE, 10, Recompute()) == 2 * 148 * 10
+    # silu, linear half + offset, and product 24 -> 12 + 44*2 = 100. Attention: norm 12, qkv input
+    # 4 and output 8, rotated q 4 and k 2, output 4 -> 12 + 22*2, + fp32 lse 2 heads * 4 -> 64.
+    # A layer: 164.
+    assert activation_bytes(DENSE, 10, Recompute()) == 2 * 164 * 10
     # full, uniform, 1 layer a chunk: 2 chunk inputs (10 tokens * 4 * 2 bytes) + one layer
-    assert activation_bytes(DENSE, 10, Recompute("full", "uniform", 1)) == 2 * 80 + 1480
+    assert activation_bytes(DENSE, 10, Recompute("full", "uniform", 1)) == 2 * 80 + 1640
     # full, block, 1 layer: its input + the other layer (the larger of it and the recomputed one)
-    assert activation_bytes(DENSE, 10, Recompute("full", "block", 1)) == 80 + 1480
-    assert activation_bytes(DENSE, 10, Recompute("selective")) == 2 * 148 * 10  # FA keeps its inputs
+    assert activation_bytes(DENSE, 10, Recompute("full", "block", 1)) == 80 + 1640
+    assert activation_bytes(DENSE, 10, Recompute("selective")) == 2 * 164 * 10  # FA keeps its inputs
     # GDN, per token: norm 12; bf16: input 4, projected 2*2 + 2*4 + 2*2 = 16, q and k repeated to
     # the value heads 2*2*2 = 8, v 4, beta 2, core/norm/proj inputs 3*4 -> 46 * 2 = 92;
     # fp32: g and softplus 3*2, gate and silu 2*4, 1/rms 2 -> 16 * 4 = 64. Total 168.
     assert memory.activation_bytes_per_token(HYBRID, "G") == 168
+
+
+def test_attention_with_qk_norm_and_rope_by_hand():
+    # 64 as above; QK norms' contiguous inputs (q 4 + k 2) * 2 = 12 and their fp32 1/rms per head
+    # (2 + 1) * 4 = 12; RoPE's cos and sin for q and for k over 2 channels: 4 * 2 * 2 = 16
+    shape = dataclasses.replace(DENSE, qk_norm=True, rotary_dim=2)
+    assert memory.activation_bytes_per_token(shape, "*") == 64 + 12 + 12 + 16
+
+
+def test_the_backward_holds_a_recomputed_chunk_or_the_lm_head_not_both():
+    head = 500
+    # without recompute every layer's activations stay through the head's backward
+    assert memory.backward_activation_bytes(DENSE, 10, Recompute(), head) == 3280
+    # full, uniform: the 2 chunk inputs through the head's backward; then one layer recomputed
+    # (160 + 1640), beyond the head's 500 once it is freed: 1300
+    assert memory.backward_activation_bytes(DENSE, 10, Recompute("full", "uniform", 1), head) == 1300
+    assert memory.backward_activation_bytes(DENSE, 10, Recompute("full", "uniform", 1), 5000) == 160
+    # full, block, 1 layer: its input and the second layer kept (80 + 1640), more than the
+    # recomputed first layer (80 + 1640) less the head
+    assert memory.backward_activation_bytes(DENSE, 10, Recompute("full", "block", 1), head) == 1720
 
 
 def test_lm_head_by_hand(monkeypatch):
@@ -113,12 +134,12 @@ def test_plan_by_hand_each_lever():
     plan = plan_memory(_run(), Levers())
     assert {i.name: i.bytes for i in plan.items} == {
         "weights": 2 * params, "gradients": 4 * params, "optimizer": 12 * params, "KV cache + GDN states": 1000,
-        "engine logits buffer": 0, "activations": 2960, "LM head": 2880,
+        "engine logits buffer": 0, "activations": 3280, "LM head": 2880,
         "optimizer step": 0}  # AdamW's 4 * params fit in what the backward freed
     assert plan.phase_bytes(GENERATION) == 18 * params + 1000
-    assert plan.phase_bytes(TRAINING) == 18 * params + 1000 + 2960 + 2880 == plan.peak_bytes
+    assert plan.phase_bytes(TRAINING) == 18 * params + 1000 + 3280 + 2880 == plan.peak_bytes
     recompute = plan_memory(_run(), Levers(kv_cache_mode="recompute"))
-    assert recompute.phase_bytes(TRAINING) == 18 * params + 2960 + 2880  # the cache freed
+    assert recompute.phase_bytes(TRAINING) == 18 * params + 3280 + 2880  # the cache freed
     offload = plan_memory(_run(), Levers(offload_optimizer_during_inference=True))
     assert offload.phase_bytes(GENERATION) == 6 * params + 1000  # optimizer on the CPU meanwhile
     assert plan_memory(_run(dp=4), Levers(distributed_optimizer=True)).item("optimizer").bytes == 12 * params // 4
@@ -130,17 +151,17 @@ def test_plan_by_hand_each_lever():
     assert offload.host_optimizer_bytes == 12 * params and plan.host_optimizer_bytes == 0
     assert plan_memory(_run(), Levers(reference_model=True)).item("KL reference weights").bytes == 2 * params
     full = plan_memory(_run(), Levers(recompute=Recompute("full", "uniform", 1)))
-    assert full.item("activations").bytes == 1640
-    assert full.item("activations").note.endswith(f"(none: {2960 / memory.GIB:.2f} GiB)")  # beside, for comparison
+    assert full.item("activations").bytes == 160  # the chunk inputs: a recomputed layer (1640) < the head
+    assert full.item("activations").note.endswith(f"(none: {3280 / memory.GIB:.2f} GiB)")  # beside, for comparison
 
 
 def test_plan_by_hand_with_generators_apart():
     params = 372
     trainer = plan_memory(dataclasses.replace(_run(), role="trainer"), Levers())
     assert {i.name: i.bytes for i in trainer.items} == {
-        "weights": 2 * params, "gradients": 4 * params, "optimizer": 12 * params, "activations": 2960,
+        "weights": 2 * params, "gradients": 4 * params, "optimizer": 12 * params, "activations": 3280,
         "LM head": 2880, "optimizer step": 0}  # no engine
-    assert trainer.peak_bytes == 18 * params + 2960 + 2880 and trainer.requests_at_once == 0
+    assert trainer.peak_bytes == 18 * params + 3280 + 2880 and trainer.requests_at_once == 0
     generator = plan_memory(dataclasses.replace(_run(), role="generator", requests=10), Levers())
     assert {i.name: i.bytes for i in generator.items} == {
         "weights": 2 * params, "KV cache + GDN states": 1000, "engine logits buffer": 0}
@@ -160,7 +181,7 @@ def test_optimizer_step_by_hand(monkeypatch):
     assert memory.optimizer_step_bytes(params, Levers(), 1, fused_adam=True) == 0
     assert memory.optimizer_step_bytes(params, Levers(optimizer_cpu_offload=True), 1, fused_adam=False) == 0
     # the step comes after the backward has freed its tensors: it adds only what exceeds them
-    monkeypatch.setattr(memory, "activation_bytes", lambda *args: 100)
+    monkeypatch.setattr(memory, "backward_activation_bytes", lambda *args: 100)
     monkeypatch.setattr(memory, "logits_bytes", lambda *args: 200)
     plan = plan_memory(_run(), Levers())
     assert plan.item("optimizer step").bytes == 4 * params - 300

@@ -1,0 +1,88 @@
+"""The planner's activations per token (memory.activation_bytes_per_token) against what
+megatron-core's layers save for their backward, counted on CPU in BI mode (the kernels' Python
+is the GPU's, run by the Triton interpreter): every tensor autograd saves during the trainer's
+forward, once per storage, parameters left out, summed per layer. Per token exactly: two
+micro-batches of the same three sequences at different lengths, so what is saved per sequence
+(GDN initial states, convolution windows) cancels. Attention runs a FlashAttention stand-in that
+saves what FlashAttention's varlen function saves (q, k, v, output, fp32 log-sum-exp)."""
+
+import collections
+
+import pytest
+import torch
+
+from megatron_rl_bi import bi, memory
+from megatron_rl_bi.attention import flash
+from megatron_rl_bi.config import parse_rl_args
+from megatron_rl_bi.config.from_args import model_shape_from_args
+from megatron_rl_bi.models.build import build_model
+from megatron_rl_bi.models.logprobs import forward_logprobs
+from megatron_rl_bi.packing import pack_sequences
+from tests.unit_tests.conftest import torch_varlen_attention
+
+VOCAB = 40
+COMMON = ["--hidden-size", "64", "--ffn-hidden-size", "96", "--num-attention-heads", "8", "--group-query-attention",
+          "--num-query-groups", "2", "--kv-channels", "16", "--swiglu", "--disable-bias-linear", "--bf16",
+          "--seq-length", "256", "--max-position-embeddings", "256", "--use-cpu-initialization",
+          "--no-initialization", "--transformer-impl", "local", "--flash-attention-version", "4"]
+MODELS = {
+    "dense": ["--num-layers", "2"],
+    "dense, QK norm, partial RoPE": ["--num-layers", "2", "--qk-layernorm", "--rotary-percent", "0.5"],
+    "hybrid": ["--hybrid-layer-pattern", "G-G-", "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+               "--linear-key-head-dim", "8", "--linear-value-head-dim", "8", "--linear-conv-kernel-dim", "4"],
+}
+
+
+class _FlashAttentionSaves(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, scale):
+        out = torch_varlen_attention(q, k, v, cu_seqlens_q=cu_seqlens, softmax_scale=scale, causal=True)
+        ctx.save_for_backward(q, k, v, out, torch.empty(q.shape[1], q.shape[0], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("only the forward's saved tensors are counted")
+
+
+def _flash_attention(q, k, v, cu_seqlens_q, softmax_scale, **unused):
+    return _FlashAttentionSaves.apply(q, k, v, cu_seqlens_q, softmax_scale), None
+
+
+def _saved_bytes_per_layer(model, sequences) -> dict[int, int]:
+    """Bytes of the distinct storages autograd saves in each decoder layer's forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    layer_stack, saved = [None], {}
+    for name, module in model.named_modules():
+        if name.split(".")[-2:-1] == ["layers"]:
+            module.register_forward_pre_hook(lambda m, a, index=int(name.split(".")[-1]): layer_stack.append(index))
+            module.register_forward_hook(lambda m, a, o: (layer_stack.pop(), None)[1])
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if layer_stack[-1] is not None and storage.data_ptr() not in params:
+            saved.setdefault(storage.data_ptr(), (layer_stack[-1], storage.nbytes()))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        forward_logprobs(model, pack_sequences(sequences))
+    per_layer = collections.Counter()
+    for layer, nbytes in saved.values():
+        per_layer[layer] += nbytes
+    return dict(per_layer)
+
+
+@pytest.mark.parametrize("flags", MODELS.values(), ids=list(MODELS))
+def test_each_layer_saves_what_the_plan_counts_per_token(cpu_forward, cpu_dispatch, monkeypatch, flags):
+    monkeypatch.setattr(flash, "flash_varlen_function", lambda version: _flash_attention)
+    args = parse_rl_args(COMMON + flags)
+    shape = model_shape_from_args(args, VOCAB)
+    with bi.batch_invariant(True):
+        model = build_model(args, VOCAB)
+        short, long = ([[t % 30 + 1 for t in range(n * length)] for n in (1, 2, 3)] for length in (10, 18))
+        before, after = _saved_bytes_per_layer(model, short), _saved_bytes_per_layer(model, long)
+    tokens = 6 * (18 - 10)
+    per_token = {layer: (after[layer] - before[layer]) / tokens for layer in after}
+    planned = {index: sum(memory.activation_bytes_per_token(shape, symbol) for symbol in layer)
+               for index, layer in enumerate(shape.layers)}
+    assert per_token == planned
