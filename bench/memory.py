@@ -1,8 +1,10 @@
 r"""GPU memory of each piece the planner predicts (megatron_rl_bi/memory.py), measured on the GPU
 one piece at a time: weights, gradient buffer, optimizer state (fp32 main weights, then Adam's
-moments after an update), the engine (KV cache and buffers), and one packed micro-batch's forward
-and backward (activations and LM head) without and with full recompute. Each row: measured GiB,
-planned GiB, their ratio.
+moments after an update), the engine (KV cache and buffers), one packed micro-batch's forward
+and backward (activations and LM head) without and with full recompute, and the LM head alone
+(its chunks' forward and backward on final hidden states already in memory, which the plan's row
+counts with their fp32 and bf16 copies: up to 6 bytes a hidden value above the measurement).
+Each row: measured GiB, planned GiB, their ratio.
 
   python bench/memory.py --output results/bench_memory_NAME_h200.json --bench-memory-tokens 8192 \
       --bf16 --flash-attention-version 4 [pretrain_rl.py's model and engine flags]
@@ -15,6 +17,7 @@ import os
 import sys
 
 import torch
+from megatron.core.utils import unwrap_model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,7 +33,7 @@ from megatron_rl_bi.distributed import initialize_distributed  # noqa: E402
 from megatron_rl_bi.inference import Generator  # noqa: E402
 from megatron_rl_bi.memory import GIB, Recompute, plan_memory  # noqa: E402
 from megatron_rl_bi.models.build import build_model  # noqa: E402
-from megatron_rl_bi.models.logprobs import forward_logprobs  # noqa: E402
+from megatron_rl_bi.models.logprobs import forward_logprobs, head_logprobs  # noqa: E402
 from megatron_rl_bi.optimizer import build_ddp_and_optimizer  # noqa: E402
 from megatron_rl_bi.packing import pack_sequences  # noqa: E402
 from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
@@ -64,11 +67,27 @@ def _micro_batch_peak(ddp, tokens: int, vocab: int, recompute: Recompute) -> int
     generator = torch.Generator().manual_seed(0)
     batch = pack_sequences([torch.randint(0, vocab, (tokens // 4,), generator=generator).tolist()
                             for _ in range(4)]).to("cuda")
+    return _backward_peak(ddp, lambda: forward_logprobs(ddp, batch))
+
+
+def _head_peak(ddp, tokens: int, vocab: int) -> int:
+    """Peak memory above the start of the LM head alone (forward+backward of its chunks) on
+    `tokens` final hidden states: the micro-batch rows less the layers."""
+    language_model = unwrap_model(ddp)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(tokens, 1, language_model.config.hidden_size, device="cuda", generator=generator,
+                         dtype=language_model.config.params_dtype, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,), device="cuda", generator=generator)
+    return _backward_peak(ddp, lambda: head_logprobs(language_model, hidden, targets))
+
+
+def _backward_peak(ddp, forward) -> int:
+    """Peak memory above the start of `forward()`'s logprobs and their backward."""
     ddp.zero_grad_buffer()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
-    logprobs, _ = forward_logprobs(ddp, batch)
+    logprobs, _ = forward()
     (-logprobs.sum()).backward()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - start
@@ -85,6 +104,7 @@ def measure(args, tokens: int, vocab: int) -> dict[str, int]:
     measured["optimizer"] = main_weights + moments
     for name, recompute in (("micro-batch, no recompute", Recompute()), ("micro-batch, full recompute", FULL_RECOMPUTE)):
         measured[name] = _micro_batch_peak(ddp, tokens, vocab, recompute)
+    measured["LM head"] = _head_peak(ddp, tokens, vocab)
     _, measured["engine"] = _allocated_by(lambda: Generator(model, engine_config_from_args(args)))
     return measured
 
@@ -97,8 +117,8 @@ def planned(args, tokens: int, vocab: int) -> dict[str, int]:
         plan = plan_memory(dataclasses.replace(run, micro_batch_tokens=tokens),
                            dataclasses.replace(levers, recompute=recompute))
         rows[name] = plan.item("activations").bytes + plan.item("LM head").bytes
-    plan = plan_memory(run, levers)
-    rows.update({name: plan.item(name).bytes for name in ("weights", "gradients", "optimizer")})
+    plan = plan_memory(dataclasses.replace(run, micro_batch_tokens=tokens), levers)
+    rows.update({name: plan.item(name).bytes for name in ("weights", "gradients", "optimizer", "LM head")})
     rows["engine"] = plan.item("KV cache + GDN states").bytes + plan.item("engine logits buffer").bytes
     return rows
 

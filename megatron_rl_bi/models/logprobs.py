@@ -54,11 +54,18 @@ def forward_logprobs(
         hidden = model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=None,
                        packed_seq_params=batch.packed_seq_params())  # [T, 1, h]
     hidden = hidden.to(language_model.config.params_dtype)  # Float16Module returned an fp32 copy
+    return head_logprobs(language_model, hidden, batch.target_ids, temperature, with_entropy)
+
+
+def head_logprobs(language_model, hidden: torch.Tensor, target_ids: torch.Tensor, temperature: float = 1.0,
+                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LM head on final hidden states [T, 1, h], a chunk of rows at a time (each recomputed in
+    the backward): logprobs [T] of `target_ids`, and the entropy [T] if asked."""
     head = functools.partial(_head, language_model, temperature=temperature, with_entropy=with_entropy)
     rows = head_chunk_rows(language_model.output_layer.output_size)
     parts = []
     for start in range(0, hidden.shape[0], rows):
-        chunk = (hidden[start:start + rows], batch.target_ids[start:start + rows])
+        chunk = (hidden[start:start + rows], target_ids[start:start + rows])
         parts.append(checkpoint(head, *chunk, use_reentrant=False) if torch.is_grad_enabled() else head(*chunk))
     logprobs = torch.cat([part[0] for part in parts])
     return logprobs, (torch.cat([part[1] for part in parts]) if with_entropy else None)
