@@ -28,8 +28,10 @@ COMMON = ["--hidden-size", "64", "--ffn-hidden-size", "96", "--num-attention-hea
 MODELS = {
     "dense": ["--num-layers", "2"],
     "dense, QK norm, partial RoPE": ["--num-layers", "2", "--qk-layernorm", "--rotary-percent", "0.5"],
-    "hybrid": ["--hybrid-layer-pattern", "G-G-", "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
-               "--linear-key-head-dim", "8", "--linear-value-head-dim", "8", "--linear-conv-kernel-dim", "4"],
+    # Qwen3.5's kinds of layer: GDN, and attention with QK norm, partial RoPE and an output gate
+    "hybrid": ["--hybrid-layer-pattern", "G-*-", "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+               "--linear-key-head-dim", "8", "--linear-value-head-dim", "8", "--linear-conv-kernel-dim", "4",
+               "--qk-layernorm", "--rotary-percent", "0.25", "--attention-output-gate"],
 }
 
 
