@@ -21,7 +21,7 @@ from megatron.core.utils import unwrap_model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.report import positive_int  # noqa: E402
+from bench.report import peak_bytes, positive_int  # noqa: E402
 from megatron_rl_bi import bi  # noqa: E402
 from megatron_rl_bi.config import parse_rl_args, validate_installed_kernels  # noqa: E402
 from megatron_rl_bi.config.from_args import (  # noqa: E402
@@ -84,13 +84,12 @@ def _head_peak(ddp, tokens: int, vocab: int) -> int:
 def _backward_peak(ddp, forward) -> int:
     """Peak memory above the start of `forward()`'s logprobs and their backward."""
     ddp.zero_grad_buffer()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = torch.cuda.memory_allocated()
-    logprobs, _ = forward()
-    (-logprobs.sum()).backward()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - start
+
+    def forward_and_backward():
+        logprobs, _ = forward()
+        (-logprobs.sum()).backward()
+
+    return peak_bytes(forward_and_backward)
 
 
 def measure(args, tokens: int, vocab: int) -> dict[str, int]:
@@ -110,14 +109,14 @@ def measure(args, tokens: int, vocab: int) -> dict[str, int]:
 
 
 def planned(args, tokens: int, vocab: int) -> dict[str, int]:
-    run = memory_run_from_args(args, vocab, 1, torch.cuda.get_device_properties(0).total_memory)
+    run = dataclasses.replace(memory_run_from_args(args, vocab, 1, torch.cuda.get_device_properties(0).total_memory),
+                              micro_batch_tokens=tokens)
     levers = levers_from_args(args)
     rows = {}
     for name, recompute in (("micro-batch, no recompute", Recompute()), ("micro-batch, full recompute", FULL_RECOMPUTE)):
-        plan = plan_memory(dataclasses.replace(run, micro_batch_tokens=tokens),
-                           dataclasses.replace(levers, recompute=recompute))
+        plan = plan_memory(run, dataclasses.replace(levers, recompute=recompute))
         rows[name] = plan.item("activations").bytes + plan.item("LM head").bytes
-    plan = plan_memory(dataclasses.replace(run, micro_batch_tokens=tokens), levers)
+    plan = plan_memory(run, levers)
     rows.update({name: plan.item(name).bytes for name in ("weights", "gradients", "optimizer", "LM head")})
     rows["engine"] = plan.item("KV cache + GDN states").bytes + plan.item("engine logits buffer").bytes
     return rows

@@ -30,15 +30,20 @@ def seconds(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def peak_mib(fn) -> float:
-    """GPU memory `fn` allocates at its peak above what was allocated before it, in MiB (its
+def peak_bytes(fn) -> int:
+    """GPU memory `fn` allocates at its peak above what was allocated before it, in bytes (its
     workspace: what stays allocated after it is included)."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fn()
     torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2**20
+    return torch.cuda.max_memory_allocated() - before
+
+
+def peak_mib(fn) -> float:
+    """peak_bytes in MiB."""
+    return peak_bytes(fn) / 2**20
 
 
 def graphed_seconds(fn, repeats: int) -> float:
