@@ -211,6 +211,18 @@ def plot(models: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def write_report(args, models: dict, profiles: dict, gemm: dict | None, failures: list[str]) -> dict:
+    """Writes the report of what is measured so far (its "rounds": the fewest rounds of any model in it),
+    so that a run stopped between rounds keeps the rounds it finished."""
+    rounds = min((len(m["rounds"]) for m in models.values()), default=0)
+    report = {**provenance(), "extra_flags": args.extra_flags, "rounds": rounds, "models": models,
+              "gemm": gemm and gemm["shapes"], "profiles": profiles, "failures": failures}
+    report.update(headline(models))
+    with open(args.output, "w") as f:
+        json.dump(report, f, indent=2)
+    return report
+
+
 def main() -> None:
     args = build_parser().parse_args()
     if args.table:
@@ -231,18 +243,14 @@ def main() -> None:
                 failures.append(f"{name} round {index}: {failure}")
             if profile is not None:
                 rounds.append(profile)
-        if rounds:
-            profiles[name], models[name] = rounds[0], summarize_rounds(rounds)
+                profiles[name], models[name] = rounds[0], summarize_rounds(rounds)
+                write_report(args, models, profiles, None, failures)
     gemm = None
     if not args.skip_gemm:
         gemm, failure = _run("gemm.py", [], "--output", os.path.join(workdir, "gemm.json"))
         if failure:
             failures.append(f"gemm: {failure}")
-    report = {**provenance(), "extra_flags": args.extra_flags, "rounds": args.rounds, "models": models,
-              "gemm": gemm and gemm["shapes"], "profiles": profiles, "failures": failures}
-    report.update(headline(models))
-    with open(args.output, "w") as f:
-        json.dump(report, f, indent=2)
+    report = write_report(args, models, profiles, gemm, failures)
     if models:
         plot(models, os.path.splitext(args.output)[0] + ".png")
     print(json.dumps({k: v for k, v in report.items() if k not in ("profiles", "run")}, indent=2))

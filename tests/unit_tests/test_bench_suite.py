@@ -93,6 +93,27 @@ def test_a_generation_only_profile_has_no_trainer_ratios_and_says_so():
     assert suite.headline({"qwen3_4b_long": model})["trainer_ratio_long"] is None
 
 
+def test_a_run_stopped_between_rounds_keeps_the_rounds_it_finished(tmp_path, monkeypatch):
+    output = tmp_path / "bench.json"
+    calls = []
+
+    def one_round_then_stopped(script, flags, output_flag, path):
+        calls.append(flags)
+        if len(calls) > 1:
+            raise KeyboardInterrupt  # the device call's time limit, in the second round
+        return {"bi": MODE, "default": MODE}, None
+
+    monkeypatch.setattr(suite, "_run", one_round_then_stopped)
+    monkeypatch.setattr(suite.sys, "argv", ["suite.py", "--output", str(output), "--models", "qwen3_4b_long",
+                                            "--rounds", "3", "--skip-gemm"])
+    with pytest.raises(KeyboardInterrupt):
+        suite.main()
+    report = suite.read_object(str(output))
+    assert report["rounds"] == 1 and len(report["models"]["qwen3_4b_long"]["rounds"]) == 1
+    assert report["decode_ms_long_bi"] == 30.0 and report["failures"] == []
+    assert "--bench-default-first" in calls[1] and "--bench-default-first" not in calls[0]
+
+
 def test_markdown_table_of_a_file_without_decode_intervals_or_bytes():
     old = {key: value for key, value in MODE.items() if key != "decode_interval_ms_median"}
     model = suite.summarize({"bi": old, "default": old})
