@@ -93,6 +93,39 @@ def test_a_generation_only_profile_has_no_trainer_ratios_and_says_so():
     assert suite.headline({"qwen3_4b_long": model})["trainer_ratio_long"] is None
 
 
+def test_the_long_workloads_parity_check_fits_an_h200_beside_the_engines_cache():
+    """The parity check's trainer forward (autograd on, up to 16K packed tokens) runs while the
+    engine holds its cache: weights + cache + that forward's activations, by the planner, must fit
+    the H200 (139.8 GiB). Without recompute the plan is 138.2 GiB at the 12,288-token micro-batch where
+    the bench ran out of memory at 4af7568 (torch: 138.17 GiB allocated), 160 GiB at 16K tokens."""
+    from megatron_rl_bi.config.from_args import model_shape_from_args
+    from megatron_rl_bi.memory import GIB, Recompute, activation_bytes, parameter_count
+
+    profile_steps = _module("bench/profile_steps.py")
+    args = build_parser(profile_steps.add_profile_args).parse_args(suite.COMMON + suite.MODELS["qwen3_4b_long"])
+    shape = model_shape_from_args(args, args.bench_vocab_size)
+    recompute = Recompute(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
+    activations = activation_bytes(shape, 16384, recompute)
+    total = parameter_count(shape) * 2 + args.inference_dynamic_batching_buffer_size_gb * GIB + activations
+    assert total < 0.9 * 139.8 * GIB
+    assert activation_bytes(shape, 16384, Recompute()) > 60 * GIB  # what ran out of memory
+
+
+def test_a_round_that_wrote_nothing_is_not_repeated(tmp_path, monkeypatch):
+    calls = []
+
+    def out_of_memory(script, flags, output_flag, path):
+        calls.append(flags)
+        return None, f"exit 1, wrote no {path}"
+
+    monkeypatch.setattr(suite, "_run", out_of_memory)
+    monkeypatch.setattr(suite.sys, "argv", ["suite.py", "--output", str(tmp_path / "b.json"), "--models",
+                                            "qwen3_4b_long", "dense4", "--rounds", "3", "--skip-gemm"])
+    with pytest.raises(SystemExit, match="qwen3_4b_long round 0: exit 1.*dense4 round 0: exit 1"):
+        suite.main()
+    assert len(calls) == 2 and suite.read_object(str(tmp_path / "b.json"))["rounds"] == 0
+
+
 def test_a_run_stopped_between_rounds_keeps_the_rounds_it_finished(tmp_path, monkeypatch):
     output = tmp_path / "bench.json"
     calls = []
