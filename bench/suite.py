@@ -167,20 +167,23 @@ def headline(models: dict) -> dict:
 
 def markdown_table(report: dict) -> str:
     """Per model: the BI / default ratios, both decode steps (synchronized alone, and unsynchronized
-    intervals where the file has them), BI's roofline fraction, and the commit and extra flags
-    the numbers came from."""
+    intervals where the file has them), BI's roofline fraction of each (the same bytes over the
+    step's time and over the interval's: the interval's from the medians), and the commit and
+    extra flags the numbers came from."""
     lines = ["| model | trainer fwd+bwd | RL update | generation | decode step BI / default "
-             "| decode interval BI / default | bytes a decode step reads | BI decode, HBM roofline |",
+             "| decode interval BI / default | bytes a decode step reads | BI decode, HBM roofline: step / interval |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, m in report["models"].items():
-        interval = (f"{m['decode_interval_ms_bi']:.2f} / {m['decode_interval_ms_default']:.2f} ms"
-                    if m.get("decode_interval_ms_bi") is not None else "not measured")
+        interval, interval_roofline = "not measured", "not measured"
+        if m.get("decode_interval_ms_bi") is not None:
+            interval = f"{m['decode_interval_ms_bi']:.2f} / {m['decode_interval_ms_default']:.2f} ms"
+            interval_roofline = f"{m['decode_roofline_fraction_bi'] * m['decode_ms_bi'] / m['decode_interval_ms_bi']:.1%}"
         step_bytes = f"{m['decode_gb_per_step']:.1f} GB" if "decode_gb_per_step" in m else "not recorded"
         trainer, update = (f"{m[key]:.2f}x" if m[key] is not None else "not measured"
                            for key in ("trainer_ratio", "update_ratio"))
         lines.append(f"| {name} | {trainer} | {update} "
                      f"| {m['generation_ratio']:.2f}x | {m['decode_ms_bi']:.2f} / {m['decode_ms_default']:.2f} ms "
-                     f"| {interval} | {step_bytes} | {m['decode_roofline_fraction_bi']:.1%} |")
+                     f"| {interval} | {step_bytes} | {m['decode_roofline_fraction_bi']:.1%} / {interval_roofline} |")
     flags = report.get("extra_flags") or "none"
     rounds = report.get("rounds", 1)
     medians = f", medians of {rounds} rounds" if rounds > 1 else ""

@@ -75,7 +75,8 @@ def test_markdown_table_from_a_report():
     report = {"device": "NVIDIA H200", "git_commit": "0123456789abcdef", "extra_flags": "",
               "models": {"dense16": model}}
     assert suite.markdown_table(report).splitlines()[2] == (
-        "| dense16 | 1.50x | 1.00x | 1.00x | 30.00 / 30.00 ms | 25.00 / 25.00 ms | 3.5 GB | 2.0% |")
+        "| dense16 | 1.50x | 1.00x | 1.00x | 30.00 / 30.00 ms | 25.00 / 25.00 ms | 3.5 GB | 2.0% / 2.4% |")
+    # the interval's fraction: the step's 2.0% of the roofline in 30 ms, the same bytes in 25 ms
     assert "commit 0123456, extra flags: none." in suite.markdown_table(report)
     report["rounds"] = 3
     assert "extra flags: none, medians of 3 rounds." in suite.markdown_table(report)
@@ -153,7 +154,7 @@ def test_markdown_table_of_a_file_without_decode_intervals_or_bytes():
     del model["decode_gb_per_step"]  # files written before the bytes were recorded
     report = {"device": "NVIDIA H200", "git_commit": "0123456789abcdef", "extra_flags": "",
               "models": {"dense16": model}}
-    assert "| 30.00 / 30.00 ms | not measured | not recorded | 2.0% |" in suite.markdown_table(report)
+    assert "| 30.00 / 30.00 ms | not measured | not recorded | 2.0% / not measured |" in suite.markdown_table(report)
 
 
 class _Clock:
