@@ -9,7 +9,6 @@ its start fixed since (docs/sizing.md); its rerun with the fix, the _fla_backwar
 
 import importlib.util
 import json
-import pathlib
 import subprocess
 import sys
 
@@ -20,44 +19,41 @@ from megatron_rl_bi.config.from_args import levers_from_args, memory_run_from_ar
 from megatron_rl_bi.memory import GIB, plan_memory
 from megatron_rl_bi.reporting.metrics import read_step_records
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("memory_plan", REPO / "tools" / "memory_plan.py")
+from .example_scripts import REPO, pretrain_rl_flags
+
+_spec = importlib.util.spec_from_file_location("memory_plan", f"{REPO}/tools/memory_plan.py")
 memory_plan = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(memory_plan)
 
-RECIPES = REPO / "examples" / "recipes"
-AT_SIZE = ["--batch-invariant-mode", "--flash-attention-version", "4", "--save-interval", "0",
-           "--save-hf-interval", "0"]  # examples/rl_at_size.sh's flags that size anything
-SEARCH = ["--bf16", "--flash-attention-version", "4", "--transformer-impl", "local", "--batch-invariant-mode",
-          "--cuda-graph-impl", "local", "--inference-cuda-graph-scope", "block", "--decode-only-cuda-graphs",
-          "--rl-task", "lookup", "--rl-env", "search", "--rl-max-turns", "4", "--rl-max-new-tokens", "512",
-          "--rl-max-context-tokens", "4096", "--inference-max-seq-length", "4096",
-          "--rl-kv-cache-memory-fraction", "0.5", "--grpo-prompts-per-step", "8", "--grpo-group-size", "8",
-          "--lr", "1e-6"]  # examples/rl_search_hf.sh's
-TINY = ["--batch-invariant-mode", "--flash-attention-version", "4"]
-# result file: (published configuration, its layers (None: as published), the run's flags)
+# result file: (the examples/ script and arguments that made it (results/README.md), or None for
+# the flags beside it; its published configuration (None: the recipe's model); that config's layers)
 RUNS = {
-    "rl_qwen3_4b_8k_h200.jsonl": ("qwen3-4b", None, ["--recipe", str(RECIPES / "qwen3_math_dapo.yaml"), *AT_SIZE]),
-    "rl_qwen35_9b_8k_h200_8layers_fla_backward.jsonl": (
-        "qwen3.5-9b", 8, ["--recipe", str(RECIPES / "qwen35_math_dapo.yaml"), *AT_SIZE]),
-    "rl_qwen3_search_h200.jsonl": ("qwen3-0.6b", None, SEARCH),
-    "rl_tiny_h200.jsonl": (None, None, ["--recipe", str(RECIPES / "tiny_sort.yaml"), *TINY]),
-    "rl_tiny_hybrid_h200.jsonl": (None, None, ["--recipe", str(RECIPES / "tiny_sort_hybrid.yaml"), *TINY]),
+    "rl_qwen3_4b_8k_h200.jsonl": (("rl_at_size.sh", "qwen3-4b", "3"), "qwen3-4b", None),
+    "rl_qwen35_9b_8k_h200_8layers_fla_backward.jsonl": (("rl_at_size.sh", "qwen3.5-9b", "3", "8"), "qwen3.5-9b", 8),
+    "rl_qwen3_search_h200.jsonl": (("rl_search_hf.sh", "qwen3-0.6b", "5"), "qwen3-0.6b", None),
+    "rl_tiny_h200.jsonl": (("rl_tiny.sh",), None, None),
+    "rl_tiny_hybrid_h200.jsonl": (None, None, None),  # pretrain_rl.py with the flags below
 }
+TINY_HYBRID = ["--recipe", "examples/recipes/tiny_sort_hybrid.yaml", "--batch-invariant-mode",
+               "--flash-attention-version", "4"]
 PHASES = {"peak_generation": "memory/peak_generation_gib", "peak_training": "memory/peak_training_gib",
           "peak": "memory/peak_allocated_gib"}
 
 
-def _checkpoint_flags(tmp_path, preset: str | None, layers: int | None, flags: list[str]) -> list[str]:
-    """--hf-checkpoint of the published configuration, and its prompts where the run reads a dataset."""
+def _flags(tmp_path, name: str) -> list[str]:
+    """The run's pretrain_rl.py flags, with repository paths made absolute and the checkpoint and
+    prompts of its published configuration written here without weights."""
+    command, preset, layers = RUNS[name]
+    flags = pretrain_rl_flags(tmp_path / "script", *command) if command else TINY_HYBRID
+    flags = [f"{REPO}/{flag}" if flag.startswith("examples/") else flag for flag in flags]
     if preset is None:
-        return []
+        return flags
     out = tmp_path / preset
     layer_flags = ["--num-hidden-layers", str(layers)] if layers else []
-    subprocess.run([sys.executable, str(REPO / "tools" / "random_hf_checkpoint.py"), preset, str(out),
-                    "--config-only", *layer_flags], check=True, capture_output=True)
-    dataset = ["--rl-dataset", str(out / "math.jsonl")] if "--recipe" in flags else []  # the search task has none
-    return ["--hf-checkpoint", str(out / "hf"), *dataset]
+    subprocess.run([sys.executable, f"{REPO}/tools/random_hf_checkpoint.py", preset, str(out), "--config-only",
+                    *layer_flags], check=True, capture_output=True)
+    written = {"--hf-checkpoint": str(out / "hf"), "--rl-dataset": str(out / "math.jsonl")}
+    return [written.get(previous, flag) for previous, flag in zip([None, *flags], flags)]
 
 
 def _run_header_gpu_gib(path) -> float:
@@ -67,12 +63,11 @@ def _run_header_gpu_gib(path) -> float:
 
 @pytest.mark.parametrize("name", RUNS)
 def test_the_plan_of_a_measured_runs_flags_is_within_10_percent_of_its_peaks(tmp_path, name):
-    preset, layers, flags = RUNS[name]
-    path = REPO / "results" / name
-    args = parse_rl_args(flags + _checkpoint_flags(tmp_path, preset, layers, flags))
+    path = f"{REPO}/results/{name}"
+    args = parse_rl_args(_flags(tmp_path, name))
     run = memory_run_from_args(args, memory_plan.vocab_size(args), 1, int(_run_header_gpu_gib(path) * GIB))
     plan = plan_memory(run, levers_from_args(args)).summary()
-    records = read_step_records(str(path)).values()
+    records = read_step_records(path).values()
     compared = 0
     for planned_key, measured_key in PHASES.items():
         measured = [record[measured_key] for record in records if measured_key in record]

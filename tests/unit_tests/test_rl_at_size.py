@@ -1,31 +1,13 @@
 """examples/rl_at_size.sh reads STEPS, then LAYERS only when it is a number, so flags may follow
 STEPS (e.g. --rl-generator-ranks 1); run in a copy with `python` and `torchrun` stubbed."""
 
-import os
-import shutil
-import subprocess
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STUB = """#!/usr/bin/env bash
-echo "$(basename "$0") $*" >> "$STUB_LOG"
-if [ "$1" = tools/random_hf_checkpoint.py ]; then mkdir -p "$3"; fi
-"""
+from .example_scripts import run_stubbed
 
 
 def _run(tmp_path, *args):
-    shutil.copytree(os.path.join(REPO, "examples"), tmp_path / "examples")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name in ("python", "torchrun"):
-        (bin_dir / name).write_text(STUB)
-        (bin_dir / name).chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_LOG": str(tmp_path / "calls")}
-    done = subprocess.run(["bash", str(tmp_path / "examples" / "rl_at_size.sh"), *args], env=env,
-                          capture_output=True, text=True)
-    calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
-    return done, calls
+    return run_stubbed(tmp_path, "rl_at_size.sh", *args)
 
 
 def test_flags_right_after_steps_reach_the_run_not_the_checkpoint(tmp_path):
