@@ -53,17 +53,21 @@ def test_rounds_take_medians_and_the_worst_parity():
         {k: v for k, v in suite.summarize(rounds[0]).items() if isinstance(v, float)}]}
 
 
+def _model_args(name: str):
+    """The flags bench/profile_steps.py parses for the suite's model `name`."""
+    profile_steps = _module("bench/profile_steps.py")
+    return build_parser(profile_steps.add_profile_args).parse_args(suite.COMMON + suite.MODELS[name])
+
+
 @pytest.mark.parametrize("name", sorted(suite.MODELS))
 def test_every_models_flags_parse(name):
-    profile_steps = _module("bench/profile_steps.py")
-    args = build_parser(profile_steps.add_profile_args).parse_args(suite.COMMON + suite.MODELS[name])
+    args = _model_args(name)
     assert args.flash_attention_version == 4 and not args.bench_default_first
     assert args.hidden_size == (2560 if name == "qwen3_4b_long" else 2048)
 
 
 def test_the_long_context_model_decodes_at_4k_to_8k_with_the_engine_alone():
-    profile_steps = _module("bench/profile_steps.py")
-    args = build_parser(profile_steps.add_profile_args).parse_args(suite.COMMON + suite.MODELS["qwen3_4b_long"])
+    args = _model_args("qwen3_4b_long")
     assert args.bench_prompt_tokens == [4096, 8064] and args.bench_requests == 64
     assert 8064 + args.bench_new_tokens <= args.inference_max_seq_length == 8192
     assert args.bench_generation_only
@@ -102,8 +106,7 @@ def test_the_long_workloads_parity_check_fits_an_h200_beside_the_engines_cache()
     from megatron_rl_bi.config.from_args import model_shape_from_args
     from megatron_rl_bi.memory import GIB, Recompute, activation_bytes, parameter_count
 
-    profile_steps = _module("bench/profile_steps.py")
-    args = build_parser(profile_steps.add_profile_args).parse_args(suite.COMMON + suite.MODELS["qwen3_4b_long"])
+    args = _model_args("qwen3_4b_long")
     shape = model_shape_from_args(args, args.bench_vocab_size)
     recompute = Recompute(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
     activations = activation_bytes(shape, 16384, recompute)
