@@ -99,11 +99,19 @@ def short_path(path: str) -> str:
     return path
 
 
+def write_json(value: dict, path: str) -> None:
+    """`value` as JSON at `path`, whole or not at all: written beside it, then moved over it, so a
+    bench stopped mid-write (a device call's time limit) leaves the file it wrote before intact."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(value, f, indent=2)
+    os.replace(partial, path)
+
+
 def write_report(report: dict, summary: dict, path: str | None) -> None:
     """Prints `summary` (the part of `report` a reader wants first) and writes `report` as JSON
     to `path`, if given."""
     print(json.dumps(summary, indent=2))
     if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(report, path)

@@ -27,7 +27,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.report import positive_int  # noqa: E402
+from bench.report import positive_int, write_json  # noqa: E402
 from megatron_rl_bi.jsonfile import read_object  # noqa: E402
 from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
 
@@ -218,15 +218,14 @@ def plot(models: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def write_report(args, models: dict, profiles: dict, gemm: dict | None, failures: list[str]) -> dict:
+def save_report_so_far(args, models: dict, profiles: dict, gemm: dict | None, failures: list[str]) -> dict:
     """Writes the report of what is measured so far (its "rounds": the fewest rounds of any model in it),
-    so that a run stopped between rounds keeps the rounds it finished."""
+    so that a run stopped between rounds, or while writing, keeps the rounds it finished."""
     rounds = min((len(m["rounds"]) for m in models.values()), default=0)
     report = {**provenance(), "extra_flags": args.extra_flags, "rounds": rounds, "models": models,
               "gemm": gemm and gemm["shapes"], "profiles": profiles, "failures": failures}
     report.update(headline(models))
-    with open(args.output, "w") as f:
-        json.dump(report, f, indent=2)
+    write_json(report, args.output)
     return report
 
 
@@ -252,13 +251,13 @@ def main() -> None:
                 break  # the next round would fail the same way (at 4af7568 all three ran out of memory)
             rounds.append(profile)
             profiles[name], models[name] = rounds[0], summarize_rounds(rounds)
-            write_report(args, models, profiles, None, failures)
+            save_report_so_far(args, models, profiles, None, failures)
     gemm = None
     if not args.skip_gemm:
         gemm, failure = _run("gemm.py", [], "--output", os.path.join(workdir, "gemm.json"))
         if failure:
             failures.append(f"gemm: {failure}")
-    report = write_report(args, models, profiles, gemm, failures)
+    report = save_report_so_far(args, models, profiles, gemm, failures)
     if models:
         plot(models, os.path.splitext(args.output)[0] + ".png")
     print(json.dumps({k: v for k, v in report.items() if k not in ("profiles", "run")}, indent=2))

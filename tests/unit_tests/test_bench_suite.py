@@ -307,3 +307,17 @@ def test_a_count_of_zero_is_refused_before_anything_runs(capsys):
         suite.build_parser().parse_args(["--output", "report.json", "--rounds", "0"])
     assert "argument --rounds: 0: must be >= 1" in capsys.readouterr().err
     assert bench_report.positive_int("3") == 3
+
+
+def test_a_report_stopped_while_being_written_leaves_the_last_one_whole(tmp_path, monkeypatch):
+    path = tmp_path / "bench.json"
+    bench_report.write_json({"rounds": 1}, str(path))
+
+    def stopped_halfway(value, f, **kwargs):
+        f.write('{"rounds": ')
+        raise KeyboardInterrupt  # the device call's time limit, mid-write
+
+    monkeypatch.setattr(bench_report.json, "dump", stopped_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        bench_report.write_json({"rounds": 2}, str(path))
+    assert suite.read_object(str(path)) == {"rounds": 1}
