@@ -35,7 +35,7 @@ from bench.workload import (  # noqa: E402
 from megatron_rl_bi import bi  # noqa: E402
 from megatron_rl_bi.models.build import cpu_state_dict  # noqa: E402
 
-HBM_BYTES_PER_S = 4.3e12  # H200
+HBM_BYTES_PER_S = 4.3e12  # H200: a device-to-device copy measured there (the datasheet says 4.8e12)
 PROFILED_NEW_TOKENS = 10  # the torch profiler's generation: 8-9 decode steps once the prompts are in
 TIMED_GENERATIONS = 3  # the generation time is their median: one host hiccup moves a single run
 
