@@ -3,9 +3,11 @@ chunked backward) against the chunked alternatives that run here: megatron-core'
 rule under autograd (what its deterministic mode trains with), fla's chunked forward, and fla's
 chunked step; where fla refuses its chunked backward (Hopper with Triton 3.4-3.7.0), that step with
 the refusal lifted and fla's own kernels (`guard_lifted_*`); and the step layers train with (the
-'auto' backward: fla's, with the torch `chunk_bwd_dqkwg` where fla refuses its own), with how far
-each backward's gradients are from the torch rule's (relative L2, per input); the BI step's peak
-memory above its inputs with the torch rule's backward and with the 'auto' one.
+'auto' backward: fla's, with this package's `chunk_bwd_dqkwg` kernel where fla refuses its own),
+with how far each backward's gradients are from the torch rule's (relative L2, per input); the BI
+step's peak memory above its inputs with the torch rule's backward and with the 'auto' one. The
+kernel's before and after (`dqkwg_*`): that step alone, its torch reference and the kernel, on the
+arguments the BI step's backward gives it, and the BI step with the torch step in its place.
 
   python bench/gdn_rule.py --output results/bench_gdn_rule_h200.json
 """
@@ -71,6 +73,7 @@ def measure(tokens, sequences, heads, dim) -> dict:
     ms.update(_fla_backward(step, chunk_gated_delta_rule))  # the stand-in step runs where fla refuses
     ms["auto_gradient_error"] = _gradient_error(inputs, step, "auto")
     ms["bi_step_auto_ms"] = 1000 * seconds(lambda: step(partial(gated_delta_rule, chunk_backend="auto")), 10)
+    ms.update(_dqkwg_before_after(step))
     for name, backend in (("torch_backward", "torch"), ("auto", "auto")):  # the backward's workspace
         ms[f"bi_step_{name}_peak_mib"] = peak_mib(lambda: step(partial(gated_delta_rule, chunk_backend=backend)))
     print(ms, flush=True)  # fla's refused kernels come last: a fault there must not take these
@@ -87,6 +90,36 @@ def _fla_backward(step, chunk_gated_delta_rule) -> dict:
     ms = {"bi_step_fla_backward_ms": 1000 * seconds(lambda: step(partial(gated_delta_rule, chunk_backend="fla")), 10),
           "fla_chunk_step_ms": 1000 * seconds(lambda: step(chunk_gated_delta_rule), 10)}
     ms["ratio_bi_step_vs_fla_chunk_step"] = ms["bi_step_fla_backward_ms"] / ms["fla_chunk_step_ms"]
+    return ms
+
+
+def _dqkwg_before_after(step) -> dict:
+    """The gated `chunk_bwd_dqkwg` step alone, the torch reference and the kernel, on the arguments
+    the 'auto' backward gives it, how far the kernel's outputs are from the reference's (relative
+    L2), and the BI step with the torch step in the kernel's place."""
+    import fla.ops.gated_delta_rule.chunk as gated_delta_rule_chunk
+
+    from megatron_rl_bi.models import gdn_dqkwg, gdn_dqkwg_triton
+
+    calls, installed = [], gated_delta_rule_chunk.chunk_bwd_dqkwg
+
+    def record(*args, **kwargs):
+        calls.append((args, kwargs))
+        return installed(*args, **kwargs)
+
+    steps = {"torch": gdn_dqkwg.chunk_bwd_dqkwg, "triton": gdn_dqkwg_triton.chunk_bwd_dqkwg}
+    try:
+        compat.replace_fla_gated_dqkwg(record)
+        step(partial(gated_delta_rule, chunk_backend="auto"))
+        args, kwargs = calls[0]
+        ms = {f"dqkwg_{name}_ms": 1000 * seconds(lambda: call(*args, **kwargs), 10) for name, call in steps.items()}
+        ms["dqkwg_triton_error"] = {name: relative_l2_error(got, want) for name, got, want in zip(
+            ("dq", "dk", "dw", "dg"), steps["triton"](*args, **kwargs), steps["torch"](*args, **kwargs))}
+        compat.replace_fla_gated_dqkwg(steps["torch"])
+        ms["bi_step_auto_torch_dqkwg_ms"] = 1000 * seconds(
+            lambda: step(partial(gated_delta_rule, chunk_backend="auto")), 10)
+    finally:
+        compat.replace_fla_gated_dqkwg(installed)
     return ms
 
 

@@ -4,8 +4,10 @@ gated, with w and dv as the gated delta rule calls it).
 
 fla 0.6.0 refuses that step on Hopper with Triton >= 3.4 and < 3.7.1 (fla issue 640: the
 transposed product `ds^T @ q` is taken from an operand left in the wgmma accumulator layout), and
-with it the whole chunked backward. The rest of that backward runs there. This function is
-installed in its place (`compat.replace_fla_gated_dqkwg`), so the other kernels stay fla's.
+with it the whole chunked backward. The rest of that backward runs there. This package's Triton
+kernel (models/gdn_dqkwg_triton.py) is installed in its place (`compat.replace_fla_gated_dqkwg`);
+this torch version is its reference, held to fla's own kernel by the CPU tests, and its "before"
+in `bench/gdn_rule.py`.
 
 Same arguments, layouts and arithmetic as fla's kernel: chunks of `chunk_size` tokens that never
 cross a sequence, `h`/`dh` one [K, V] state per chunk and value head ([V, K] with
@@ -18,11 +20,11 @@ TF32), and `ds` is rounded to that dtype before its two products, as there.
 import torch
 
 
-def _chunk_tokens(total: int, cu_seqlens, chunk_indices, batch: int, chunk_size: int, device):
-    """[chunks, chunk_size] token indices into the flattened B*T tokens (clamped), whether each is
-    inside its sequence, and each chunk's last token, in the order fla numbers chunks (sequence
-    after sequence, a chunk's states at that index of h and dh): packed, fla's own `chunk_indices`
-    ([sequence, chunk of it] a row), made on the device as fla makes them where not given."""
+def chunk_bounds(total: int, cu_seqlens, chunk_indices, batch: int, chunk_size: int, device):
+    """Each chunk's first token and the end of its sequence (indices into the flattened B*T
+    tokens), in the order fla numbers chunks (sequence after sequence, a chunk's states at that
+    index of h and dh): packed, fla's own `chunk_indices` ([sequence, chunk of it] a row), made on
+    the device as fla makes them where not given."""
     if cu_seqlens is None:
         length = total // batch
         per_sequence = -(-length // chunk_size)
@@ -37,18 +39,28 @@ def _chunk_tokens(total: int, cu_seqlens, chunk_indices, batch: int, chunk_size:
             chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
         sequence, chunk = chunk_indices[:, 0].long(), chunk_indices[:, 1].long()
         bos, eos = cu_seqlens.long()[sequence], cu_seqlens.long()[sequence + 1]
-    starts = bos + chunk * chunk_size
+    return bos + chunk * chunk_size, eos
+
+
+def _chunk_tokens(total: int, cu_seqlens, chunk_indices, batch: int, chunk_size: int, device):
+    """[chunks, chunk_size] token indices (clamped), whether each is inside its sequence, and
+    each chunk's last token."""
+    starts, eos = chunk_bounds(total, cu_seqlens, chunk_indices, batch, chunk_size, device)
     index = starts[:, None] + torch.arange(chunk_size, device=device)
     inside = index < eos[:, None]
     last = torch.minimum(starts + chunk_size, eos) - 1
     return index.clamp(max=total - 1), inside, last
 
 
+def check_gated_call(w, g, g_gamma, dv) -> None:
+    if g is None or w is None or dv is None or g_gamma is not None:
+        raise NotImplementedError("only the gated delta rule's call (g, w and dv; no g_gamma)")
+
+
 def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, scale=None,
                     state_v_first=False, cu_seqlens=None, chunk_size=64, chunk_indices=None):
     """fla's `chunk_bwd_dqkwg` for the gated delta rule (g, w and dv given): (dq, dk, dw, dg)."""
-    if g is None or w is None or dv is None or g_gamma is not None:
-        raise NotImplementedError("only the gated delta rule's call (g, w and dv; no g_gamma)")
+    check_gated_call(w, g, g_gamma, dv)
     batch, total, heads, _ = k.shape
     value_heads, total = v.shape[2], batch * total
     index, inside, last = _chunk_tokens(total, cu_seqlens, chunk_indices, batch, chunk_size, q.device)
@@ -77,7 +89,7 @@ def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, s
     dk = dk + torch.einsum("chij,cihk->cjhk", ds, q_)
     dg = (dq * q_).sum(-1) - (dk * k_).sum(-1)  # [chunks, chunk_size, HV]
     dg = dg + torch.where((index == last[:, None])[..., None], dg_last[:, None], 0.0)
-    dq, dk = (_group_sum(_scatter(x, index, inside, total, t.dtype), heads, batch) for x, t in ((dq, q), (dk, k)))
+    dq, dk = (group_sum(_scatter(x, index, inside, total, t.dtype), heads, batch) for x, t in ((dq, q), (dk, k)))
     return (dq, dk, _scatter(dw, index, inside, total, w.dtype).view(w.shape),
             _scatter(dg, index, inside, total, torch.float32).view(g.shape))
 
@@ -94,7 +106,7 @@ def _scatter(value, index, inside, total, dtype):
     return flat.to(dtype)
 
 
-def _group_sum(value, heads, batch):
+def group_sum(value, heads, batch):
     """dq or dk of each value head summed over the heads that share a q/k head, as fla does."""
     total, value_heads, key_dim = value.shape
     return value.view(batch, total // batch, heads, value_heads // heads, key_dim).sum(3)

@@ -1,8 +1,12 @@
 """The GDN rule's chunked backward on the GPU with the 'auto' backend (what layers train with):
-fla's chunked backward, whose gated `chunk_bwd_dqkwg` step runs in torch where fla 0.6.0 refuses
-it (Hopper with Triton >= 3.4 and < 3.7.1: models/gdn_dqkwg.py). Against the fp32 torch rule on
-packed sequences with initial states: forward bits unchanged, gradients within the loosest ratio
-fla's own tests allow bf16 kernels against fp32 references (0.02, relative L2)."""
+fla's chunked backward, whose gated `chunk_bwd_dqkwg` step is this package's Triton kernel where
+fla 0.6.0 refuses it (Hopper with Triton >= 3.4 and < 3.7.1: models/gdn_dqkwg_triton.py). Against
+the fp32 torch rule on packed sequences with initial states: forward bits unchanged, gradients
+within the loosest ratio fla's own tests allow bf16 kernels against fp32 references (0.02,
+relative L2). The kernel alone against its torch reference (models/gdn_dqkwg.py) on the arguments
+a real backward gives it: within the bf16 rounding of its outputs (0.005, relative L2: the two
+take the same fp32 products of the same bf16 operands, summed in another order, and round dq, dk
+and dw to bf16 once, a relative error of at most 2**-9 each)."""
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from megatron_rl_bi.numerics import relative_l2_error
 pytestmark = pytest.mark.gpu
 
 FLA_TEST_RATIO = 0.02
+KERNEL_VS_TORCH_STEP = 0.005
 
 
 def _packed(lengths, heads, key_dim, value_dim, seed):
@@ -50,12 +55,43 @@ def test_auto_backward_keeps_the_forward_bits_and_the_torch_rules_gradients(forw
         assert relative_l2_error(got, reference) <= FLA_TEST_RATIO, name
 
 
-@pytest.mark.skipif(compat.fla_chunk_backward_works(),
-                    reason="fla runs its chunked backward itself here (not Hopper, or Triton >= 3.7.1)")
-def test_where_fla_refuses_its_backward_the_torch_step_stands_in():
+def _recorded_dqkwg_call(monkeypatch, lengths, heads, key_dim):
+    """The arguments fla's chunked backward gives its gated `chunk_bwd_dqkwg`, from one backward."""
     import fla.ops.gated_delta_rule.chunk as gated_delta_rule_chunk
 
-    from megatron_rl_bi.models.gdn_dqkwg import chunk_bwd_dqkwg
+    from megatron_rl_bi.models import gdn_rule
+
+    gdn_rule._fla_chunk_backward_here()  # installs the kernel first where fla refuses its own
+    calls, installed = [], gated_delta_rule_chunk.chunk_bwd_dqkwg
+
+    def record(*args, **kwargs):
+        calls.append((args, kwargs))
+        return installed(*args, **kwargs)
+
+    monkeypatch.setattr(gated_delta_rule_chunk, "chunk_bwd_dqkwg", record)
+    inputs, cu = _packed(lengths, heads, key_dim, 128, seed=4)
+    out, _ = gated_delta_rule(*inputs[:5], initial_state=inputs[5], cu_seqlens=cu, chunk_backend="auto")
+    out.float().sum().backward()
+    return calls[0]
+
+
+@pytest.mark.parametrize("heads, key_dim", [(32, 128), (16, 64)])
+def test_the_dqkwg_kernel_gives_its_torch_references_gradients(monkeypatch, heads, key_dim):
+    from megatron_rl_bi.models.gdn_dqkwg import chunk_bwd_dqkwg as reference
+    from megatron_rl_bi.models.gdn_dqkwg_triton import chunk_bwd_dqkwg as kernel
+
+    args, kwargs = _recorded_dqkwg_call(monkeypatch, (4096, 1000, 3096), heads, key_dim)
+    for name, got, want in zip(("dq", "dk", "dw", "dg"), kernel(*args, **kwargs), reference(*args, **kwargs)):
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert relative_l2_error(got, want) <= KERNEL_VS_TORCH_STEP, name
+
+
+@pytest.mark.skipif(compat.fla_chunk_backward_works(),
+                    reason="fla runs its chunked backward itself here (not Hopper, or Triton >= 3.7.1)")
+def test_where_fla_refuses_its_backward_the_kernel_stands_in():
+    import fla.ops.gated_delta_rule.chunk as gated_delta_rule_chunk
+
+    from megatron_rl_bi.models.gdn_dqkwg_triton import chunk_bwd_dqkwg
 
     inputs, cu = _packed((300,), 4, 128, 128, seed=3)
     out, _ = gated_delta_rule(*inputs[:5], initial_state=inputs[5], cu_seqlens=cu, chunk_backend="auto")

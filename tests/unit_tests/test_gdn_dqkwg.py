@@ -1,10 +1,11 @@
-"""models/gdn_dqkwg.chunk_bwd_dqkwg against fla's own kernel (`chunk_bwd_kernel_dqkwg`, run by the
+"""models/gdn_dqkwg.chunk_bwd_dqkwg (the torch step) against fla's own kernel (`chunk_bwd_kernel_dqkwg`, run by the
 Triton interpreter on CPU) on the gated delta rule's call: packed sequences (a chunk-aligned
 boundary, a one-token sequence, a partial last chunk), a batch without packing, value heads
 sharing q/k heads, both state layouts. fp32 inputs: the interpreter's bf16 products are not the
 GPU's (its results there are not finite), so dtype rounding is the GPU test's (tests/gpu/
 test_gdn_backward.py). Tolerance: fp32 rounding of two summation orders (relative 1e-6; seen
-<= 2e-7)."""
+<= 2e-7). Then this package's Triton kernel (models/gdn_dqkwg_triton.py, the interpreter too)
+against the torch step on the same calls, at key widths of one, two and a partial key block."""
 
 import pytest
 import torch
@@ -13,6 +14,14 @@ from megatron_rl_bi.models.gdn_dqkwg import chunk_bwd_dqkwg
 from megatron_rl_bi.numerics import relative_l2_error
 
 CHUNK = 64
+
+
+CALLS = [
+    (200, 2, 4, [0, 70, 200], False, 1),
+    (200, 2, 2, [0, 64, 200], True, 1),
+    (300, 1, 2, [0, 1, 100, 300], False, 1),
+    (130, 1, 2, None, False, 2),
+]
 
 
 def _call(tokens, heads, value_heads, cu_seqlens, state_v_first, batch=1, key_dim=32, value_dim=16):
@@ -34,12 +43,7 @@ def _call(tokens, heads, value_heads, cu_seqlens, state_v_first, batch=1, key_di
                 scale=0.3, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, state_v_first=state_v_first)
 
 
-@pytest.mark.parametrize("tokens, heads, value_heads, cu_seqlens, state_v_first, batch", [
-    (200, 2, 4, [0, 70, 200], False, 1),
-    (200, 2, 2, [0, 64, 200], True, 1),
-    (300, 1, 2, [0, 1, 100, 300], False, 1),
-    (130, 1, 2, None, False, 2),
-])
+@pytest.mark.parametrize("tokens, heads, value_heads, cu_seqlens, state_v_first, batch", CALLS)
 def test_equals_flas_kernel(single_config_autotune, tokens, heads, value_heads, cu_seqlens, state_v_first, batch):
     from fla.ops.common.chunk_o import chunk_bwd_dqkwg as fla_chunk_bwd_dqkwg
 
@@ -54,10 +58,27 @@ def test_equals_flas_kernel(single_config_autotune, tokens, heads, value_heads, 
         assert relative_l2_error(have, want) <= 1e-6, name
 
 
-def test_only_the_gated_delta_rules_call():
+@pytest.mark.parametrize("key_dim, value_dim", [(32, 16), (128, 128), (96, 64)])  # key blocks of 64
+@pytest.mark.parametrize("tokens, heads, value_heads, cu_seqlens, state_v_first, batch", CALLS)
+def test_the_kernel_equals_the_torch_step(tokens, heads, value_heads, cu_seqlens, state_v_first, batch,
+                                          key_dim, value_dim):
+    from megatron_rl_bi.models.gdn_dqkwg_triton import chunk_bwd_dqkwg as kernel
+
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens)
+    kwargs = _call(tokens, heads, value_heads, cu, state_v_first, batch, key_dim, value_dim)
+    for name, want, have in zip(("dq", "dk", "dw", "dg"), chunk_bwd_dqkwg(**kwargs), kernel(**kwargs)):
+        assert have.shape == want.shape and have.dtype == want.dtype, name
+        assert relative_l2_error(have, want) <= 1e-6, name
+
+
+@pytest.mark.parametrize("step", ["torch", "kernel"])
+def test_only_the_gated_delta_rules_call(step):
+    from megatron_rl_bi.models import gdn_dqkwg_triton
+
+    call = {"torch": chunk_bwd_dqkwg, "kernel": gdn_dqkwg_triton.chunk_bwd_dqkwg}[step]
     kwargs = _call(64, 1, 1, None, False)
     with pytest.raises(NotImplementedError, match="gated delta rule"):
-        chunk_bwd_dqkwg(**{**kwargs, "w": None})
+        call(**{**kwargs, "w": None})
 
 
 def test_operands_are_rounded_to_the_products_dtype_as_the_kernel_casts_them():
