@@ -3,11 +3,12 @@ chunked backward) against the chunked alternatives that run here: megatron-core'
 rule under autograd (what its deterministic mode trains with), fla's chunked forward, and fla's
 chunked step; where fla refuses its chunked backward (Hopper with Triton 3.4-3.7.0), that step with
 the refusal lifted and fla's own kernels (`guard_lifted_*`); and the step layers train with (the
-'auto' backward: fla's, with this package's `chunk_bwd_dqkwg` kernel where fla refuses its own),
-with how far each backward's gradients are from the torch rule's (relative L2, per input); the BI
-step's peak memory above its inputs with the torch rule's backward and with the 'auto' one. The
-kernel's before and after (`dqkwg_*`): that step alone, its torch reference and the kernel, on the
-arguments the BI step's backward gives it, and the BI step with the torch step in its place.
+'auto' backward: fla's, with the torch `chunk_bwd_dqkwg` where fla refuses its own), with how far
+each backward's gradients are from the torch rule's (relative L2, per input); the BI step's peak
+memory above its inputs with the torch rule's backward and with the 'auto' one. This package's
+Triton kernel of that step against the torch one (`dqkwg_*`): the step alone, each, on the
+arguments the BI step's backward gives it, and the BI step with the kernel in the torch step's
+place.
 
   python bench/gdn_rule.py --output results/bench_gdn_rule_h200.json
 """
@@ -83,6 +84,7 @@ def measure(tokens, sequences, heads, dim) -> dict:
         ms.update({f"guard_lifted_{key}": value for key, value in own.items()})
     fla_step = ms.get("guard_lifted_fla_chunk_step_ms", ms["fla_chunk_step_ms"])  # fla's own kernels
     ms["ratio_bi_step_auto_vs_fla_chunk_step"] = ms["bi_step_auto_ms"] / fla_step
+    ms["ratio_bi_step_auto_triton_dqkwg_vs_fla_chunk_step"] = ms["bi_step_auto_triton_dqkwg_ms"] / fla_step
     return ms
 
 
@@ -94,9 +96,9 @@ def _fla_backward(step, chunk_gated_delta_rule) -> dict:
 
 
 def _dqkwg_before_after(step) -> dict:
-    """The gated `chunk_bwd_dqkwg` step alone, the torch reference and the kernel, on the arguments
-    the 'auto' backward gives it, how far the kernel's outputs are from the reference's (relative
-    L2), and the BI step with the torch step in the kernel's place."""
+    """The gated `chunk_bwd_dqkwg` step alone, the torch one and the kernel, on the arguments the
+    'auto' backward gives it, how far the kernel's outputs are from the torch step's (relative L2),
+    and the BI step with the kernel in the torch step's place."""
     import fla.ops.gated_delta_rule.chunk as gated_delta_rule_chunk
 
     from megatron_rl_bi.models import gdn_dqkwg, gdn_dqkwg_triton
@@ -115,8 +117,8 @@ def _dqkwg_before_after(step) -> dict:
         ms = {f"dqkwg_{name}_ms": 1000 * seconds(lambda: call(*args, **kwargs), 10) for name, call in steps.items()}
         ms["dqkwg_triton_error"] = {name: relative_l2_error(got, want) for name, got, want in zip(
             ("dq", "dk", "dw", "dg"), steps["triton"](*args, **kwargs), steps["torch"](*args, **kwargs))}
-        compat.replace_fla_gated_dqkwg(steps["torch"])
-        ms["bi_step_auto_torch_dqkwg_ms"] = 1000 * seconds(
+        compat.replace_fla_gated_dqkwg(steps["triton"])
+        ms["bi_step_auto_triton_dqkwg_ms"] = 1000 * seconds(
             lambda: step(partial(gated_delta_rule, chunk_backend="auto")), 10)
     finally:
         compat.replace_fla_gated_dqkwg(installed)
