@@ -12,7 +12,7 @@ result, no fused multiply-add. Forward and backward keep megatron-core's bits
 Taken for CUDA tensors with the plain rotate-half layout; interleaved layouts and CPU tensors run
 megatron-core's function. Not installed yet (`use_fused_rope`, in models/build.py once
 tests/gpu/test_fused_rope.py has passed on the H200): the tiny main job's bits, the regression
-guard, run megatron-core's rope until then.
+guard, run megatron-core's rope until then. The benches take it with --bench-fused-rope.
 """
 
 import torch
