@@ -299,6 +299,23 @@ def _single_bucket(context, rows: int):
     return next(iter(buckets)) if len(buckets) == 1 and rows == active else None
 
 
+def _sample_rows(rows, temperature, top_k, top_p, generator, vocab_size):
+    """megatron-core's `TorchSampling.sample_from_logits` with torch.multinomial's one-sample path
+    written out: an Exp(1) draw of the probabilities' shape from the same generator, the
+    probabilities over it, argmax; so the same tokens, without the ~9 kernels multinomial launches
+    each call to assert, on the GPU, finite non-negative probabilities of non-zero sum (the
+    softmax of filtered logits is that, unless the logits hold NaN)."""
+    from megatron.core.inference.sampling.torch_sampling import TorchSampling
+
+    if top_k == 1:
+        return torch.argmax(rows, dim=-1)
+    filtered = TorchSampling.filter_logits(rows, temperature, top_k, top_p, vocab_size=vocab_size)
+    probabilities = filtered.softmax(dim=-1)
+    race = torch.empty_like(probabilities).exponential_(1, generator=generator)
+    sampled = torch.argmax(probabilities / race, dim=-1)
+    return sampled.clamp(min=0, max=vocab_size - 1) if vocab_size else sampled
+
+
 def single_bucket_sampling_without_sync() -> None:
     """megatron-core 0.19.2's torch sampler builds each (temperature, top-k, top-p) bucket's rows
     with `torch.tensor(list, device=cuda)`, a blocking copy, in `sample_kernel` and again in
@@ -307,8 +324,8 @@ def single_bucket_sampling_without_sync() -> None:
     host bookkeeping with the next forward. When every active request is in one bucket (a
     `Generator.generate` call has one Sampling) the rows are 0..n-1: they are sampled from
     `logits[:n]` (or the gathered rows) directly, the same values and the same generator draw, so
-    the same tokens, and their log-probs are the log-softmax of the same filtered rows, without
-    the wait. Other cases go to megatron-core's. Idempotent. Remove once upstream builds the
+    the same tokens (`_sample_rows`), and their log-probs are the log-softmax of the same filtered
+    rows, without the wait. Other cases go to megatron-core's. Idempotent. Remove once upstream builds the
     indices without a sync."""
     from megatron.core.inference.sampling.torch_sampling import TorchSampling
 
@@ -324,8 +341,7 @@ def single_bucket_sampling_without_sync() -> None:
                                    token_to_request_index=token_to_request_index, output=output, **kwargs)
         temperature, top_k, top_p = bucket
         rows = logits[gather_indices[:n], :] if gather_indices is not None else logits[:n]
-        tokens = TorchSampling.sample_from_logits(rows, temperature, top_k, top_p, generator=self._rng,
-                                                  vocab_size=self._vocab_size)
+        tokens = _sample_rows(rows, temperature, top_k, top_p, self._rng, self._vocab_size)
         if output is None:
             return tokens
         return output.copy_(tokens)

@@ -1,6 +1,7 @@
 """compat.single_bucket_sampling_without_sync: when every active request has the same sampling
 parameters, megatron-core's torch sampler draws from the logit rows directly (no host-built
-index tensor, so no blocking copy); the tokens are those of the same generator on the same rows,
+index tensor, so no blocking copy); the tokens are those of the same generator on the same rows
+(megatron-core's `torch.multinomial` there, its one-sample path written out here),
 and the processed log-probs those of megatron-core's kernel (which runs on CPU too: compared
 here with torch.equal). Mixed buckets, a row count other than the active requests' and the
 speculative path go to megatron-core's kernels. (The sampler's equality with megatron-core's own
