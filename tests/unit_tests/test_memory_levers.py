@@ -16,6 +16,7 @@ from megatron_rl_bi.config.from_args import engine_config_from_args
 from megatron_rl_bi.models import logprobs as head
 from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.models.logprobs import forward_logprobs
+from megatron_rl_bi.numerics import relative_l2_error
 from megatron_rl_bi.packing import pack_sequences
 
 VOCAB = 40
@@ -73,7 +74,10 @@ def test_recompute_leaves_logprobs_loss_and_gradients_equal(cpu_forward, layers,
 def test_the_head_runs_in_chunks_and_gives_the_one_pass_values(cpu_forward, monkeypatch):
     """Rows of 5 (three chunks over 17 tokens) against one chunk. Not a bitwise claim on CPU: its
     GEMM may round a row differently with another row count (BI's kernels do not: GPU test
-    tests/gpu/test_memory_levers.py); the values agree to fp32 rounding."""
+    tests/gpu/test_memory_levers.py); the values agree to fp32 rounding: logprobs elementwise,
+    each gradient as a whole (relative L2 1e-6): a gradient element summed from terms that
+    cancel can differ by more than its own size's rounding (torch 2.14.1's CPU GEMM: one of the
+    tied embedding's 4,096, 2.8e-5 relative, the tensor 2.8e-7)."""
     model, _ = _model(DENSE)
     one_pass = _logprobs_and_gradients(model)
     calls = []
@@ -85,7 +89,7 @@ def test_the_head_runs_in_chunks_and_gives_the_one_pass_values(cpu_forward, monk
     assert len(calls) == 8  # each chunk recomputed once in the backward
     torch.testing.assert_close(chunked[0], one_pass[0], rtol=0, atol=1e-6)
     for name in one_pass[2]:
-        torch.testing.assert_close(chunked[2][name], one_pass[2][name], rtol=1e-5, atol=1e-6)
+        assert relative_l2_error(chunked[2][name], one_pass[2][name]) <= 1e-6, name
 
 
 class _VocabWideTensors(TorchDispatchMode):
