@@ -22,14 +22,16 @@ from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
 
 # (M, K, N, layout): trainer shapes (16K tokens: QKV, FFN, output layer; forward x @ W.T, input
 # gradient dY @ W, weight gradient dY.T @ X) and decode shapes (32-64 rows; the 16-layer dense bench
-# model's QKV, output, MLP and LM-head products at 32 requests among them).
+# model's QKV, output, MLP and LM-head products at 32 requests among them, and Qwen3-4B's at the 64
+# requests its recipe's engine runs: few output columns over a long K leave SMs idle).
 SHAPES = [(8192, 2048, 8192, "forward"), (16384, 2048, 3072, "forward"),
           (16384, 2048, 12288, "forward"), (16384, 6144, 2048, "forward"),
           (16384, 2048, 151936, "forward"), (16384, 6144, 2048, "input_gradient"),
           (6144, 16384, 2048, "weight_gradient"), (2048, 16384, 12288, "weight_gradient"),
           (64, 4096, 12288, "forward"), (32, 2048, 3072, "forward"), (32, 2048, 2048, "forward"),
           (32, 2048, 151936, "forward"), (32, 2048, 4096, "forward"), (32, 2048, 12288, "forward"),
-          (32, 6144, 2048, "forward")]
+          (32, 6144, 2048, "forward"), (64, 2560, 6144, "forward"), (64, 4096, 2560, "forward"),
+          (64, 2560, 19456, "forward"), (64, 9728, 2560, "forward")]
 # Tiles tried at decode sizes (M <= 64), timed inside a CUDA graph; the bits must not change. A
 # decode product streams the weight once from fewer programs than the GPU has SMs, so wider K
 # blocks and deeper pipelines (more of the weight in flight per program) are tried too, within
