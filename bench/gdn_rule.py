@@ -84,7 +84,8 @@ def measure(tokens, sequences, heads, dim) -> dict:
         ms.update({f"guard_lifted_{key}": value for key, value in own.items()})
     fla_step = ms.get("guard_lifted_fla_chunk_step_ms", ms["fla_chunk_step_ms"])  # fla's own kernels
     ms["ratio_bi_step_auto_vs_fla_chunk_step"] = ms["bi_step_auto_ms"] / fla_step
-    ms["ratio_bi_step_auto_triton_dqkwg_vs_fla_chunk_step"] = ms["bi_step_auto_triton_dqkwg_ms"] / fla_step
+    ms["ratio_bi_step_auto_triton_dqkwg_vs_fla_chunk_step"] = (
+        ms["bi_step_auto_triton_dqkwg_ms"] / fla_step)
     return ms
 
 

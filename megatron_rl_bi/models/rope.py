@@ -72,9 +72,10 @@ def _launch(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     out = torch.empty(seq, batch, heads, dim, dtype=t.dtype, device=t.device)
     pass_dims = dim - rot
     _rope_kernel[(seq * batch,)](
-        t, cos, sin, out, batch, heads, t.stride(0), t.stride(1), t.stride(2), DIM=dim, ROT=rot, HEADS_BLOCK=triton.next_power_of_2(heads),
-        HALF_BLOCK=triton.next_power_of_2(rot // 2), PASS_BLOCK=triton.next_power_of_2(pass_dims) if pass_dims else 0,
-        BACKWARD=backward, enable_fp_fusion=False)
+        t, cos, sin, out, batch, heads, t.stride(0), t.stride(1), t.stride(2), DIM=dim, ROT=rot,
+        HEADS_BLOCK=triton.next_power_of_2(heads), HALF_BLOCK=triton.next_power_of_2(rot // 2),
+        PASS_BLOCK=triton.next_power_of_2(pass_dims) if pass_dims else 0, BACKWARD=backward,
+        enable_fp_fusion=False)
     return out
 
 
@@ -97,8 +98,8 @@ def fused_rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> tor
 
 
 def _fusable(t, freqs, rotary_interleaved, mla_rotary_interleaved, multi_latent_attention) -> bool:
-    return (t.is_cuda and t.dim() == 4 and freqs.dim() == 4 and freqs.dtype == torch.float32 and freqs.shape[0] == t.shape[0]
-            and freqs.shape[1] == freqs.shape[2] == 1 and freqs.shape[-1] % 2 == 0
+    return (t.is_cuda and t.dim() == 4 and freqs.dim() == 4 and freqs.dtype == torch.float32
+            and freqs.shape[0] == t.shape[0] and freqs.shape[1] == freqs.shape[2] == 1 and freqs.shape[-1] % 2 == 0
             and freqs.shape[-1] <= t.shape[-1] and not rotary_interleaved and not mla_rotary_interleaved
             and not multi_latent_attention)
 
