@@ -22,7 +22,6 @@ from megatron_rl_bi.distributed import initialize_distributed
 from megatron_rl_bi.inference import Generator, Sampling
 from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.models.logprobs import forward_logprobs
-from megatron_rl_bi.models.rope import use_fused_rope
 from megatron_rl_bi.optimizer import build_ddp_and_optimizer
 from megatron_rl_bi.packing import PackedBatch, pack_sequences
 from megatron_rl_bi.parity.harness import random_requests, run_parity
@@ -43,9 +42,6 @@ def add_workload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="prompt lengths, mixed uniformly (MIN = MAX: every request decodes at that "
                             "context; e.g. 4096 4096 for the KV-bound decode of long responses)")
     group.add_argument("--bench-vocab-size", type=positive_int, default=32000)
-    group.add_argument("--bench-fused-rope", action="store_true",
-                       help="rope through models/rope.py's kernel (megatron-core's bits), not installed "
-                            "in the package until its GPU test passes: its before/after")
     group.add_argument("--bench-default-first", action="store_true",
                        help="measure default mode before BI mode (bench/suite.py --rounds alternates the "
                             "order, so a machine's drift does not fall on one mode)")
@@ -102,8 +98,6 @@ def build_workload(args: argparse.Namespace, weights: dict | None = None, trains
     low, high = args.bench_prompt_tokens
     if low > high:
         raise SystemExit(f"--bench-prompt-tokens {low} {high}: MIN must not exceed MAX")
-    if args.bench_fused_rope:
-        use_fused_rope()
     model = build_model(args, args.bench_vocab_size)
     if weights is not None:
         model.load_state_dict(weights)

@@ -18,12 +18,14 @@ from megatron_rl_bi import bi, compat
 from megatron_rl_bi.models.gpt_spec import dense_gpt_block_spec
 from megatron_rl_bi.models.hybrid_spec import hybrid_stack_spec
 from megatron_rl_bi.models.norm import RMSNorm
+from megatron_rl_bi.models.rope import use_fused_rope
 
 
 def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
     """The model on the current GPU, bf16 params under --bf16 (Megatron's Float16Module): a
     hybrid GDN/attention/MLP stack when --hybrid-layer-pattern is given, else a dense GPT."""
     compat.one_call_packed_rope()
+    use_fused_rope()
     compat.fa4_hopper_without_split_kv()
     args.padded_vocab_size = calculate_padded_vocab_size(
         vocab_size, args.make_vocab_size_divisible_by, 1, logging_enabled=False

@@ -4,10 +4,10 @@ gated, with w and dv as the gated delta rule calls it).
 
 fla 0.6.0 refuses that step on Hopper with Triton >= 3.4 and < 3.7.1 (fla issue 640: the
 transposed product `ds^T @ q` is taken from an operand left in the wgmma accumulator layout), and
-with it the whole chunked backward. The rest of that backward runs there. This function is
-installed in its place (`compat.replace_fla_gated_dqkwg`), so the other kernels stay fla's. It is
-also the reference of this package's Triton kernel of the same step (models/gdn_dqkwg_triton.py),
-which replaces it once the kernel's GPU tests have passed on the H200.
+with it the whole chunked backward. The rest of that backward runs there, with this package's
+Triton kernel of the step in its place (models/gdn_dqkwg_triton.py, installed by
+`compat.replace_fla_gated_dqkwg`). This function is that kernel's reference: its tests compare the
+two, and bench/gdn_rule.py times the backward with each.
 
 Same arguments, layouts and arithmetic as fla's kernel: chunks of `chunk_size` tokens that never
 cross a sequence, `h`/`dh` one [K, V] state per chunk and value head ([V, K] with

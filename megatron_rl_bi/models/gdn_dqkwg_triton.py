@@ -11,9 +11,10 @@ block. Its arithmetic is otherwise the reference's: products of operands in the 
 accumulated in fp32, `ds` rounded to that dtype before its two products, powers of 2 for the
 decay.
 
-Not installed yet: Triton 3.6 has miscompiled other fla kernels on Hopper at this chunk size
-(fla issues 640 and 984), so the torch step trains until tests/gpu/test_gdn_backward.py has passed
-with this kernel on the H200; bench/gdn_rule.py measures the backward with each.
+Installed where fla refuses its own step (models/gdn_rule.py). Triton 3.6 has miscompiled other
+fla kernels on Hopper at this chunk size (fla issues 640 and 984), so tests/gpu/test_gdn_backward.py
+holds it to the torch step on a real backward's arguments; bench/gdn_rule.py times the backward
+with each.
 """
 
 import torch

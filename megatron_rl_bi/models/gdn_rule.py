@@ -18,7 +18,8 @@ packed sequences are zero-padded into one batch, which leaves outputs and final 
 a zero key with zero beta and zero log-decay does not touch the state), 'fla' (fla's
 `chunk_gated_delta_rule` and its Triton backward, varlen-native; where fla 0.6.0 refuses that
 backward (Hopper with Triton >= 3.4 and < 3.7.1, `compat.fla_chunk_backward_works`) its one
-miscompiled step runs in torch, models/gdn_dqkwg.py), and 'auto' (what layers train with): fla's
+miscompiled step runs as this package's Triton kernel, models/gdn_dqkwg_triton.py), and 'auto'
+(what layers train with): fla's
 on GPU tensors, torch's on CPU ones (fla's chunked kernels have no CPU path).
 """
 
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from megatron_rl_bi import compat
-from megatron_rl_bi.models.gdn_dqkwg import chunk_bwd_dqkwg
+from megatron_rl_bi.models.gdn_dqkwg_triton import chunk_bwd_dqkwg
 from megatron_rl_bi.packing import sequence_lengths
 
 FORWARD_KERNELS = ("recurrent", "chunk")
@@ -59,8 +60,8 @@ def _torch_chunked(q, k, v, g, beta, initial_state, scale, cu_seqlens):
 
 @functools.cache
 def _fla_chunk_backward_here() -> None:
-    """Where fla refuses its chunked backward, its miscompiled step is replaced by the torch one
-    (once a process; fla then runs the rest of its backward as it does elsewhere)."""
+    """Where fla refuses its chunked backward, its miscompiled step is replaced by this package's
+    kernel of it (once a process; fla then runs the rest of its backward as it does elsewhere)."""
     if not compat.fla_chunk_backward_works():
         compat.replace_fla_gated_dqkwg(chunk_bwd_dqkwg)
 

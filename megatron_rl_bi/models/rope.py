@@ -10,9 +10,8 @@ result, no fused multiply-add. Forward and backward keep megatron-core's bits
 (tests/unit_tests/test_fused_rope.py, interpreted; tests/gpu/test_fused_rope.py).
 
 Taken for CUDA tensors with the plain rotate-half layout; interleaved layouts and CPU tensors run
-megatron-core's function. Not installed yet (`use_fused_rope`, in models/build.py once
-tests/gpu/test_fused_rope.py has passed on the H200): the tiny main job's bits, the regression
-guard, run megatron-core's rope until then. The benches take it with --bench-fused-rope.
+megatron-core's function. Installed when a model is built (`use_fused_rope`, models/build.py);
+bench/rope.py times it against megatron-core's.
 """
 
 import torch

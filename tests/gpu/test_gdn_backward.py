@@ -1,13 +1,12 @@
 """The GDN rule's chunked backward on the GPU with the 'auto' backend (what layers train with):
-fla's chunked backward, whose gated `chunk_bwd_dqkwg` step runs in torch where fla 0.6.0 refuses
-it (Hopper with Triton >= 3.4 and < 3.7.1: models/gdn_dqkwg.py), and with this package's Triton
-kernel of that step in its place (models/gdn_dqkwg_triton.py, installed once these pass). Against
-the fp32 torch rule on packed sequences with initial states: forward bits unchanged, gradients
-within the loosest ratio fla's own tests allow bf16 kernels against fp32 references (0.02,
-relative L2). The kernel alone against the torch step on the arguments a real backward gives it:
-within the bf16 rounding of its outputs (0.005, relative L2: the two take the same fp32 products
-of the same bf16 operands, summed in another order, and round dq, dk and dw to bf16 once, a
-relative error of at most 2**-9 each)."""
+fla's chunked backward, whose gated `chunk_bwd_dqkwg` step runs as this package's Triton kernel
+where fla 0.6.0 refuses it (Hopper with Triton >= 3.4 and < 3.7.1: models/gdn_dqkwg_triton.py).
+Against the fp32 torch rule on packed sequences with initial states: forward bits unchanged,
+gradients within the loosest ratio fla's own tests allow bf16 kernels against fp32 references
+(0.02, relative L2). The kernel alone against its torch reference (models/gdn_dqkwg.py) on the
+arguments a real backward gives it: within the bf16 rounding of its outputs (0.005, relative L2:
+the two take the same fp32 products of the same bf16 operands, summed in another order, and round
+dq, dk and dw to bf16 once, a relative error of at most 2**-9 each)."""
 
 import pytest
 import torch
@@ -66,18 +65,6 @@ def test_auto_backward_keeps_the_forward_bits_and_the_torch_rules_gradients(forw
     _check_auto_against_the_torch_rule(_forward_and_gradients(forward, heads, key_dim))
 
 
-@pytest.mark.parametrize("forward, heads, key_dim", [("recurrent", 32, 128), ("chunk", 16, 64)])
-def test_with_the_dqkwg_kernel_in_its_place_too(monkeypatch, forward, heads, key_dim):
-    import fla.ops.gated_delta_rule.chunk as gated_delta_rule_chunk
-
-    from megatron_rl_bi.models import gdn_rule
-    from megatron_rl_bi.models.gdn_dqkwg_triton import chunk_bwd_dqkwg
-
-    gdn_rule._fla_chunk_backward_here()  # the torch step, where fla refuses its own, then the kernel
-    monkeypatch.setattr(gated_delta_rule_chunk, "chunk_bwd_dqkwg", chunk_bwd_dqkwg)
-    _check_auto_against_the_torch_rule(_forward_and_gradients(forward, heads, key_dim))
-
-
 def _recorded_dqkwg_call(monkeypatch, lengths, heads, key_dim):
     """The arguments fla's chunked backward gives its gated `chunk_bwd_dqkwg`, from one backward."""
     import fla.ops.gated_delta_rule.chunk as gated_delta_rule_chunk
@@ -111,10 +98,10 @@ def test_the_dqkwg_kernel_gives_its_torch_references_gradients(monkeypatch, head
 
 @pytest.mark.skipif(compat.fla_chunk_backward_works(),
                     reason="fla runs its chunked backward itself here (not Hopper, or Triton >= 3.7.1)")
-def test_where_fla_refuses_its_backward_the_torch_step_stands_in():
+def test_where_fla_refuses_its_backward_the_kernel_stands_in():
     import fla.ops.gated_delta_rule.chunk as gated_delta_rule_chunk
 
-    from megatron_rl_bi.models.gdn_dqkwg import chunk_bwd_dqkwg
+    from megatron_rl_bi.models.gdn_dqkwg_triton import chunk_bwd_dqkwg
 
     inputs, cu = _packed((300,), 4, 128, 128, seed=3)
     out, _ = gated_delta_rule(*inputs[:5], initial_state=inputs[5], cu_seqlens=cu, chunk_backend="auto")

@@ -129,10 +129,10 @@ def test_auto_backend_takes_the_torch_rule_for_cpu_tensors():
 
 
 @pytest.mark.parametrize("fla_allows", [True, False])
-def test_the_torch_dqkwg_stands_in_only_where_fla_refuses_its_backward(monkeypatch, fla_allows):
+def test_the_dqkwg_kernel_stands_in_only_where_fla_refuses_its_backward(monkeypatch, fla_allows):
     import fla.ops.gated_delta_rule.chunk as gated_delta_rule_chunk
 
-    from megatron_rl_bi.models.gdn_dqkwg import chunk_bwd_dqkwg
+    from megatron_rl_bi.models.gdn_dqkwg_triton import chunk_bwd_dqkwg
 
     flas = gated_delta_rule_chunk.chunk_bwd_dqkwg
     monkeypatch.setattr(gated_delta_rule_chunk, "chunk_bwd_dqkwg", flas)  # restored after the test
