@@ -7,7 +7,6 @@ and the input's gradient where the row times the backward too).
   python bench/rope.py --output results/bench_rope_h200.json
 """
 
-import argparse
 import os
 import sys
 
@@ -15,8 +14,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.decode_tail import host_and_gpu_us  # noqa: E402
-from bench.report import positive_int, write_report  # noqa: E402
+from bench.decode_tail import build_parser, host_and_gpu_us  # noqa: E402
+from bench.report import write_report  # noqa: E402
 
 from megatron_rl_bi.models.rope import fused_rope  # noqa: E402
 from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
@@ -74,15 +73,8 @@ def measure(calls: int) -> list[dict]:
     return rows
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=positive_int, default=100, help="calls of each variant queued behind one sleep")
-    parser.add_argument("--output", default=None)
-    return parser
-
-
 def main() -> None:
-    args = build_parser().parse_args()
+    args = build_parser(__doc__).parse_args()
     rows = measure(args.calls)
     summary = {f"{r['shape']} {r['tensor']} {r['variant']}":
                f"host {r['host_us']:.1f} us, GPU {r['gpu_us']:.1f} us, bits equal {r['bits_equal_megatron_core']}"
