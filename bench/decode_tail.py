@@ -87,10 +87,10 @@ def variants(vocab: int) -> dict:
     }
 
 
-def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
+def build_parser(description: str = __doc__, calls: int = 100) -> argparse.ArgumentParser:
     """--calls and --output, the options of the benches that time queued calls (this one, rope.py)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=positive_int, default=100, help="calls of each variant queued behind one sleep")
+    parser.add_argument("--calls", type=positive_int, default=calls, help="calls of each variant queued behind one sleep")
     parser.add_argument("--output", default=None)
     return parser
 
