@@ -1,5 +1,5 @@
 """fla's gated `chunk_bwd_dqkwg` step as a Triton kernel that Triton 3.4-3.7.0 compiles correctly
-on Hopper: the same step as models/gdn_dqkwg.py (the torch stand-in, its reference), one program
+on Hopper: the same step as models/gdn_dqkwg.py (in torch, its reference), one program
 per (chunk, key block, value head) instead of some forty torch kernels over fp32 copies of every
 input.
 

@@ -93,7 +93,7 @@ def test_operands_are_rounded_to_the_products_dtype_as_the_kernel_casts_them():
 
 def test_lifting_fla_refusal_measures_flas_own_step(monkeypatch):
     """bench/gdn_rule.py times fla's refused backward with the guard lifted: that backward must then
-    run fla's own chunk_bwd_dqkwg, not the torch step installed in its place, and get it back after."""
+    run fla's own chunk_bwd_dqkwg, not a step installed in its place, and get it back after."""
     import fla.ops.common.chunk_o as chunk_o
     import fla.ops.gated_delta_rule.chunk as gated_delta_rule_chunk
 
