@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.decode_tail import build_parser, host_and_gpu_us  # noqa: E402
 from bench.report import write_report  # noqa: E402
 
-from megatron_rl_bi.models.rope import fused_rope  # noqa: E402
+from megatron_rl_bi.models.rope import fused_rope, megatron_cores_rope  # noqa: E402
 from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
 
 # Calls queued behind the sleep. megatron-core's rope is a dozen kernels a call, more with the
@@ -30,15 +30,6 @@ SHAPES = [
     ("Qwen3-4B decode, 64 requests", 64, 32, 8, 128, False),
     ("Qwen3-4B trainer, 16K tokens", 16384, 32, 8, 128, True),
 ]
-
-
-def _upstream():
-    from megatron.core.models.common.embeddings import rope_utils
-
-    upstream = rope_utils._apply_rotary_pos_emb_bshd
-    if getattr(upstream, "fused", False):
-        raise SystemExit("megatron-core's rope is already routed through the fused one in this process")
-    return upstream
 
 
 def _inputs(tokens, heads, dim):
@@ -61,7 +52,7 @@ def _call(rope, t, freqs, backward):
 
 
 def measure(calls: int) -> list[dict]:
-    ropes = {"megatron-core": _upstream(), "fused": fused_rope}
+    ropes = {"megatron-core": megatron_cores_rope(), "fused": fused_rope}
     rows = []
     for name, tokens, q_heads, kv_heads, dim, backward in SHAPES:
         for tensor, heads in (("q", q_heads), ("k", kv_heads)):

@@ -19,8 +19,8 @@ a zero key with zero beta and zero log-decay does not touch the state), 'fla' (f
 `chunk_gated_delta_rule` and its Triton backward, varlen-native; where fla 0.6.0 refuses that
 backward (Hopper with Triton >= 3.4 and < 3.7.1, `compat.fla_chunk_backward_works`) its one
 miscompiled step runs as this package's Triton kernel, models/gdn_dqkwg_triton.py), and 'auto'
-(what layers train with): fla's
-on GPU tensors, torch's on CPU ones (fla's chunked kernels have no CPU path).
+(what layers train with): fla's on GPU tensors, torch's on CPU ones (fla's chunked kernels have no
+CPU path).
 """
 
 import functools

@@ -108,9 +108,9 @@ def use_fused_rope() -> None:
     path calls too) runs as `fused_rope` where it can. Idempotent."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    if getattr(rope_utils._apply_rotary_pos_emb_bshd, "fused", False):
-        return
     upstream = rope_utils._apply_rotary_pos_emb_bshd
+    if hasattr(upstream, "upstream"):
+        return
 
     def rope(t, freqs, rotary_interleaved=False, mla_rotary_interleaved=False, mscale=1.0,
              multi_latent_attention=None):
@@ -118,5 +118,15 @@ def use_fused_rope() -> None:
             return fused_rope(t, freqs, mscale)
         return upstream(t, freqs, rotary_interleaved, mla_rotary_interleaved, mscale, multi_latent_attention)
 
-    rope.fused = True
+    rope.upstream = upstream
     rope_utils._apply_rotary_pos_emb_bshd = rope
+
+
+def megatron_cores_rope():
+    """megatron-core's own `_apply_rotary_pos_emb_bshd`, whether or not `use_fused_rope` has run
+    in this process (every model build runs it): the reference of the bitwise tests and of
+    bench/rope.py."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    current = rope_utils._apply_rotary_pos_emb_bshd
+    return getattr(current, "upstream", current)

@@ -11,7 +11,7 @@ from megatron_rl_bi.models import rope
 
 pytestmark = pytest.mark.gpu
 
-UPSTREAM = rope_utils._apply_rotary_pos_emb_bshd
+UPSTREAM = rope.megatron_cores_rope()
 
 
 def _freqs(positions, rotary_dim=128, base=1_000_000):

@@ -11,7 +11,7 @@ from megatron.core.models.common.embeddings import rope_utils
 
 from megatron_rl_bi.models import rope
 
-UPSTREAM = rope_utils._apply_rotary_pos_emb_bshd
+UPSTREAM = rope.megatron_cores_rope()
 
 
 def _freqs(positions, rotary_dim):
@@ -47,7 +47,8 @@ def test_only_cuda_tensors_in_the_rotate_half_layout_take_the_kernel(monkeypatch
     monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_bshd", UPSTREAM)
     rope.use_fused_rope()
     rope.use_fused_rope()  # idempotent
-    assert rope_utils._apply_rotary_pos_emb_bshd.fused
+    assert rope_utils._apply_rotary_pos_emb_bshd.upstream is UPSTREAM
+    assert rope.megatron_cores_rope() is UPSTREAM  # the reference, installed or not
     t, freqs = torch.zeros(4, 1, 2, 8), torch.zeros(4, 1, 1, 8)
     assert rope._fusable(t.to("meta"), freqs, False, False, None) is False  # not CUDA
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
