@@ -7,6 +7,7 @@ from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 
 from megatron_rl_bi.envs.environment import build_environment
+from megatron_rl_bi.envs.sandbox import SandboxConfig, base_interpreter
 from megatron_rl_bi.inference import EngineConfig, Sampling
 from megatron_rl_bi.memory import EngineShape, GIB, Levers, ModelShape, Recompute, RunShape
 from megatron_rl_bi.reporting.profiling import ProfileConfig
@@ -51,12 +52,18 @@ def rollout_config_from_args(args: argparse.Namespace, task=None) -> RolloutConf
         overlong_penalty=args.rl_overlong_penalty,
         normalize_std=not args.rl_no_advantage_std,
         environment=(build_environment(args.rl_env, task, args.rl_search_corpus, args.rl_search_top_k,
-                                       args.rl_code_time_limit, args.rl_code_memory_mb)
+                                       code_sandbox_from_args(args))
                      if args.rl_env else None),
         turns=TurnConfig(max_turns=args.rl_max_turns, max_context_tokens=args.rl_max_context_tokens,
                          observation_tokens=args.rl_tool_output_tokens, env_timeout_s=args.rl_env_timeout,
                          tool_format=args.rl_tool_format),
     )
+
+
+def code_sandbox_from_args(args: argparse.Namespace) -> SandboxConfig:
+    """Where --rl-env code runs its programs."""
+    return SandboxConfig(python=args.rl_code_python or base_interpreter(), isolated=not args.rl_code_without_isolation,
+                         seconds=args.rl_code_time_limit, memory_mb=args.rl_code_memory_mb)
 
 
 def loss_config_from_args(args: argparse.Namespace) -> LossConfig:

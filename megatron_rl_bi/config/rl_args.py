@@ -126,6 +126,13 @@ def add_multi_turn_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="--rl-env code: seconds a program may run (wall clock; CPU time likewise)")
     group.add_argument("--rl-code-memory-mb", type=int, default=1024,
                        help="--rl-env code: a program's address space, MiB")
+    group.add_argument("--rl-code-python", default=None, metavar="PATH",
+                       help="--rl-env code: the Python the sandbox runs programs with, bound into it "
+                       "read-only (default: this process's base interpreter, not its virtual environment)")
+    group.add_argument("--rl-code-without-isolation", action="store_true",
+                       help="--rl-env code: run programs WITHOUT the sandbox's namespaces (as this user, "
+                       "with its files and network; only the limits hold), where bubblewrap or user "
+                       "namespaces are missing. Not a sandbox: for trusted code only")
     group.add_argument("--rl-max-turns", type=int, default=4, help="sampled turns of a conversation at most")
     group.add_argument("--rl-max-context-tokens", type=int, default=None,
                        help="tokens of a conversation at most, prompt included "
@@ -409,6 +416,26 @@ def generator_rank_errors(args: argparse.Namespace) -> list[str]:
     return errors
 
 
+def multi_turn_errors(args: argparse.Namespace) -> list[str]:
+    """The environment flags' errors: each read by its environment only, times and sizes in range."""
+    errors = []
+    if args.rl_tool_format == "chat" and not args.rl_env:
+        errors.append("--rl-tool-format chat writes an environment's tool calls: it needs --rl-env")
+    if args.rl_search_corpus and args.rl_env != "search":
+        errors.append("--rl-search-corpus is read by --rl-env search only")
+    errors += [f"{flag} is read by --rl-env code only" for flag, value in
+               (("--rl-code-python", args.rl_code_python), ("--rl-code-without-isolation", args.rl_code_without_isolation))
+               if value and args.rl_env != "code"]
+    if not 0 < args.rl_code_time_limit < args.rl_env_timeout:
+        errors.append(f"--rl-code-time-limit must be > 0 and below --rl-env-timeout ({args.rl_env_timeout}), "
+                      f"got {args.rl_code_time_limit}")
+    if not args.rl_env_timeout > 0:
+        errors.append(f"--rl-env-timeout must be > 0 seconds, got {args.rl_env_timeout}")
+    if args.rl_max_context_tokens is not None and not args.rl_max_context_tokens >= 2:
+        errors.append(f"--rl-max-context-tokens must be >= 2, got {args.rl_max_context_tokens}")
+    return errors
+
+
 def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
     """One ValueError listing every bad RL flag (and `errors` found elsewhere)."""
     errors = [*errors, *bound_errors(args), *input_path_errors(args), *logger_package_errors(args),
@@ -421,18 +448,7 @@ def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
         errors.append(f"--rl-generation-lag must be >= 0, got {args.rl_generation_lag}")
     if args.rl_generation_lag and not args.rl_partial_rollouts:
         errors.append("--rl-generation-lag needs --rl-partial-rollouts (megatron-core's rule)")
-    errors += generator_rank_errors(args)
-    if args.rl_tool_format == "chat" and not args.rl_env:
-        errors.append("--rl-tool-format chat writes an environment's tool calls: it needs --rl-env")
-    if args.rl_search_corpus and args.rl_env != "search":
-        errors.append("--rl-search-corpus is read by --rl-env search only")
-    if not 0 < args.rl_code_time_limit < args.rl_env_timeout:
-        errors.append(f"--rl-code-time-limit must be > 0 and below --rl-env-timeout ({args.rl_env_timeout}), "
-                      f"got {args.rl_code_time_limit}")
-    if not args.rl_env_timeout > 0:
-        errors.append(f"--rl-env-timeout must be > 0 seconds, got {args.rl_env_timeout}")
-    if args.rl_max_context_tokens is not None and not args.rl_max_context_tokens >= 2:
-        errors.append(f"--rl-max-context-tokens must be >= 2, got {args.rl_max_context_tokens}")
+    errors += [*generator_rank_errors(args), *multi_turn_errors(args)]
     if args.rl_dataset and args.rl_task != "jsonl":
         errors.append(f"--rl-dataset is read by --rl-task jsonl only (the task is {args.rl_task})")
     early_exit = [flag for flag, value in (("--exit-interval", args.exit_interval),

@@ -22,17 +22,18 @@ from dataclasses import dataclass
 
 from megatron_rl_bi.envs.code import code_environment
 from megatron_rl_bi.envs.plugins import load_plugin
+from megatron_rl_bi.envs.sandbox import SandboxConfig
 from megatron_rl_bi.envs.search import read_corpus, search_environment
 
 FAILED, TIMED_OUT = "env_failures", "env_timeouts"
 
 
 def build_environment(spec: str, task, search_corpus: str | None = None, search_top_k: int = 3,
-                      code_seconds: float = 5.0, code_memory_mb: int = 1024) -> type:
+                      code_sandbox: SandboxConfig | None = None) -> type:
     """The environment class of --rl-env: the built-in 'search' (over --rl-search-corpus, or the
-    task's own corpus) or 'code' (programs run with these limits), or a user's class."""
+    task's own corpus) or 'code' (programs run in `code_sandbox`), or a user's class."""
     if spec == "code":
-        return code_environment(code_seconds, code_memory_mb)
+        return code_environment(code_sandbox or SandboxConfig())
     if spec != "search":
         return load_environment(spec)
     passages = read_corpus(search_corpus) if search_corpus else getattr(task, "corpus", None)

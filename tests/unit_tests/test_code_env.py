@@ -1,53 +1,50 @@
-"""The built-in code environment (--rl-env code), on CPU: the sandbox runs a program and returns
-its output, refuses the network, processes, ctypes and files outside its directory (reads of the
-Python installation stay allowed, for imports), is stopped at its CPU, wall-clock and memory
-limits; a conversation computes, reads the output and is scored by the task's verifier."""
+"""The built-in code environment (--rl-env code), on CPU: a program runs in the sandbox
+(envs.sandbox; its escape suite is test_sandbox.py) and its output comes back, said so when a
+limit stopped it; a conversation computes, reads the output and is scored by the task's verifier."""
 
+import os
+import sys
 import time
 from types import SimpleNamespace
 
 import pytest
 
+from megatron_rl_bi.config import parse_rl_args
+from megatron_rl_bi.config.from_args import code_sandbox_from_args
 from megatron_rl_bi.envs import build_task
 from megatron_rl_bi.envs.code import OUTPUT_CHARACTERS, code_environment, run_python
+from megatron_rl_bi.envs.sandbox import SandboxConfig, base_interpreter
 from megatron_rl_bi.envs.environment import build_environment
 from megatron_rl_bi.envs.tokenizer import CharTokenizer
 from megatron_rl_bi.inference import Generation, Sampling
 from megatron_rl_bi.rl.conversations import TurnConfig, run_conversations
 
+from ..sandbox_fixtures import sandbox_python
 from .conftest import ScriptedGenerator
 
 
-def test_a_program_runs_in_its_own_directory():
-    assert run_python("print(6 * 7)", 5, 512) == "42\n"
+@pytest.fixture(scope="module")
+def limits():
+    python = sandbox_python()
+    return lambda seconds=5.0, memory_mb=512: SandboxConfig(python=python, seconds=seconds, memory_mb=memory_mb)
+
+
+def test_a_program_runs_in_its_own_directory(limits):
+    assert run_python("print(6 * 7)", limits()) == "42\n"
     output = run_python("open('notes.txt', 'w').write('hi')\nimport json, os\nprint(open('notes.txt').read(), "
-                        "sorted(os.listdir('.')), json.dumps([1]))", 5, 512)
-    assert output == "hi ['main.py', 'notes.txt'] [1]\n"
+                        "sorted(os.listdir('.')), json.dumps([1]), os.getcwd())", limits())
+    assert output == "hi ['main.py', 'notes.txt'] [1] /work\n"
 
 
-@pytest.mark.parametrize("program,refused", [
-    ("import socket\nsocket.socket().connect(('127.0.0.1', 9))", "socket.connect is not allowed"),
-    ("import urllib.request\nurllib.request.urlopen('http://example.com')", "socket.getaddrinfo is not allowed"),
-    ("import subprocess\nsubprocess.run(['ls'])", "subprocess.Popen is not allowed"),
-    ("import os\nos.system('ls')", "os.system is not allowed"),
-    ("import ctypes\nctypes.CDLL(None)", "ctypes.dlopen is not allowed"),
-    ("print(open('/etc/passwd').read())", "/etc/passwd is outside its directory"),
-    ("open('../escape.txt', 'w')", "escape.txt is outside its directory"),
-    ("import os\nprint(os.listdir('/'))", "sandbox: / is outside its directory"),
-])
-def test_the_sandbox_refuses(program, refused):
-    output = run_python(program, 5, 512)
-    assert "PermissionError" in output or "URLError" in output
-    assert refused in output
-
-
-def test_the_sandbox_stops_at_its_limits():
+def test_the_output_says_which_limit_stopped_the_program(limits):
     started = time.monotonic()
-    assert run_python("while True: pass", 1.5, 512).endswith("(killed by signal 9: a limit)")  # CPU time, 1 s
-    assert run_python("import time\nprint('a', flush=True)\ntime.sleep(30)", 1.5, 512) == "a\n\n(killed after 1.5 s)"
-    assert time.monotonic() - started < 10
-    assert "MemoryError" in run_python("x = bytearray(2 * 1024**3)", 5, 256)
-    assert len(run_python("print('x' * 100000)", 5, 512)) == OUTPUT_CHARACTERS
+    assert run_python("import time\nprint('a', flush=True)\ntime.sleep(30)", limits(1.5)) == "a\n\n(killed after 1.5 s)"
+    assert time.monotonic() - started < 5
+    assert run_python("import os\nprint('b', flush=True)\nos.kill(os.getpid(), 9)", limits()) == (
+        "b\n\n(killed by signal 9: a limit)")
+    assert "MemoryError" in run_python("x = bytearray(2 * 1024**3)", limits(memory_mb=256))
+    assert run_python("import sys\nprint('x' * 100000)\nprint('y', file=sys.stderr)", limits()) == "x" * OUTPUT_CHARACTERS
+    assert run_python("import sys\nprint('x')\nsys.exit('no')", limits()) == "x\nno\n"
 
 
 class ComputesThenAnswers(ScriptedGenerator):
@@ -70,10 +67,10 @@ class ComputesThenAnswers(ScriptedGenerator):
         return out
 
 
-def test_a_conversation_runs_code_and_is_scored_by_the_tasks_verifier():
+def test_a_conversation_runs_code_and_is_scored_by_the_tasks_verifier(limits):
     tok, task = CharTokenizer(), build_task("countdown", seed=0)
     examples = [task.example(i) for i in range(4)]
-    environment = build_environment("code", task, code_seconds=5, code_memory_mb=512)
+    environment = build_environment("code", task, code_sandbox=limits())
     generations, scores, counts = run_conversations(ComputesThenAnswers(tok), examples, environment, tok,
                                                     Sampling(max_new_tokens=64), TurnConfig(max_turns=3))
     first = tok.decode(generations[0].completion_tokens)
@@ -88,14 +85,35 @@ def numbers_of(example):
     return example.prompt.split(": ")[1].split(" ->")[0].split()
 
 
-def test_code_environment_limits_are_its_class_attributes():
-    environment = code_environment(2.5, 300)
-    assert (environment.seconds, environment.memory_mb, environment.stop_strings) == (2.5, 300, ("</code>", "</answer>"))
+def test_code_environment_runs_programs_with_its_sandbox(limits):
+    environment = code_environment(limits(2.5, 300))
+    assert environment.sandbox_config == limits(2.5, 300) and environment.stop_strings == ("</code>", "</answer>")
 
 
-def test_a_turn_without_code_or_answer_is_told_so_and_the_conversation_goes_on():
-    environment = code_environment(2.5, 300)()
+def test_a_turn_without_code_or_answer_is_told_so_and_the_conversation_goes_on(limits):
+    environment = code_environment(limits(2.5, 300))()
     environment.reset(build_task("countdown", seed=0).example(0))
     assert environment.step("I think the answer is 7") == (
         "\nThe last turn took no action. Write one of: <code>program</code> or <answer>answer</answer>.\n",
         0.0, False)
+
+
+COMMON = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "48", "--num-attention-heads", "4",
+          "--seq-length", "64", "--max-position-embeddings", "64", "--train-iters", "1", "--bf16"]
+
+
+@pytest.mark.parametrize("flag", [["--rl-code-python", "/usr/bin/python3"], ["--rl-code-without-isolation"]])
+def test_sandbox_flags_without_the_code_environment_are_refused(flag):
+    with pytest.raises(ValueError, match=f"{flag[0]} is read by --rl-env code only"):
+        parse_rl_args(COMMON + flag)
+
+
+def test_the_flags_make_the_sandbox(tmp_path):
+    python = tmp_path / "python3"
+    python.symlink_to(sys.executable)
+    args = parse_rl_args(COMMON + ["--rl-env", "code", "--rl-code-python", str(python), "--rl-code-time-limit", "2",
+                                   "--rl-code-memory-mb", "300"])
+    assert code_sandbox_from_args(args) == SandboxConfig(python=os.path.realpath(sys.executable), seconds=2.0,
+                                                         memory_mb=300)
+    args = parse_rl_args(COMMON + ["--rl-env", "code", "--rl-code-without-isolation"])
+    assert code_sandbox_from_args(args) == SandboxConfig(python=base_interpreter(), isolated=False)

@@ -1,0 +1,203 @@
+"""OS isolation for model-written programs and commands. Every environment that runs code calls
+`run` (one entry point), which runs the command under bubblewrap (`bwrap`, the distributions'
+package; Flatpak's sandbox) rather than under rules of our own.
+
+Each run gets its own namespaces: user (uid 65534 inside, no capabilities), PID (it sees only
+its own processes; when the first one ends or is killed, the kernel kills every other), network
+(its own loopback only: no route out, no host socket, abstract ones included), mount, IPC, UTS and
+cgroup. Its filesystem holds, read-only, the system's library directories (`/lib*`, `/usr/lib*`)
+and the sandbox's Python (`SandboxConfig.python`: the interpreter, its standard library), a
+fresh `/proc` and a minimal `/dev`; and one writable directory, `/work`, a fresh tmpfs of
+`disk_mb` holding the files given. No `/etc`, `/home`, `/tmp`, `/usr/bin` or shell, none of the
+caller's environment variables. Inside, before the command starts, a launcher sets the resource
+limits: CPU seconds, address space of a process, file size, open files, processes and threads
+(counted per sandbox: RLIMIT_NPROC counts per user namespace). A caller running as root starts
+bubblewrap as uid 65534, since the kernel exempts uid 0 from RLIMIT_NPROC in every namespace.
+At the wall-clock limit bubblewrap is killed, and with it (`--die-with-parent`, the PID
+namespace) every descendant. Each output stream is read back up to `output_bytes`.
+
+Not isolated: the kernel itself (there is no seccomp filter; a kernel exploit is out of scope),
+the machine's memory beyond the per-process limit (at most `processes x memory_mb` a sandbox, no
+cgroup), what `/proc` tells of the machine, and CPU time within the limits.
+
+Where bubblewrap is missing or the host forbids user namespaces, `check` says why, and callers
+refuse to start unless the user opts into `isolated=False` (`--rl-code-without-isolation`): the
+same limits, a fresh directory, the process group killed at the limit, nothing else.
+"""
+
+import functools
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+BUBBLEWRAP = "bwrap"
+INSTALL_HINT = "install bubblewrap: apt-get install bubblewrap (Debian, Ubuntu) or dnf install bubblewrap (Fedora, RHEL)"
+WORKDIR = "/work"
+NOBODY = 65534
+# The system's library directories, bound read-only (a symbolic link among them stays a link).
+LIBRARY_DIRECTORIES = ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32")
+
+# Runs inside the sandbox (argv: cpu seconds, address space, file size, open files, processes,
+# then the command): sets the limits, then becomes the command.
+_LAUNCHER = r"""
+import os, resource, sys
+cpu, address_space, file_size, files, processes = map(int, sys.argv[1:6])
+for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, address_space),
+                     (resource.RLIMIT_FSIZE, file_size), (resource.RLIMIT_NOFILE, files),
+                     (resource.RLIMIT_NPROC, processes), (resource.RLIMIT_CORE, 0)):
+    resource.setrlimit(limit, (value, value))
+os.execv(sys.argv[6], sys.argv[6:])
+"""
+
+
+def base_interpreter() -> str:
+    """The running Python's base installation (not a virtual environment's: its packages stay
+    outside the sandbox)."""
+    return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox cannot isolate a program on this host; the message says why."""
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    python: str = field(default_factory=base_interpreter)
+    """The interpreter bound into the sandbox (it runs the launcher, and Python programs)."""
+    isolated: bool = True
+    """False only by the user's explicit choice (--rl-code-without-isolation): no namespaces."""
+    seconds: float = 5.0
+    """Wall-clock seconds; CPU seconds likewise (rounded up)."""
+    memory_mb: int = 1024
+    """Address space of each process, MiB."""
+    processes: int = 16
+    """Processes and threads at once, the first included."""
+    disk_mb: int = 64
+    """Size of the working directory (a tmpfs), MiB."""
+    file_mb: int = 16
+    """Size of a file the program writes, its output streams included, MiB."""
+    open_files: int = 64
+    output_bytes: int = 8192
+    """Bytes of stdout, and of stderr, read back."""
+
+    def __post_init__(self):
+        # the path bound into the sandbox: a link's target (the link's directory is not there)
+        object.__setattr__(self, "python", os.path.realpath(self.python))
+
+
+@dataclass(frozen=True)
+class Result:
+    stdout: str
+    stderr: str
+    returncode: int | None
+    """The command's exit status (minus the signal that killed it); None: killed at the time limit."""
+
+
+def run(config: SandboxConfig, command: list[str], files: dict[str, str]) -> Result:
+    """`command` (an absolute path first) run in a fresh working directory holding `files` (name
+    -> text), isolated as the module docstring says (merely limited when not `config.isolated`)."""
+    launch = [config.python, "-I", "-S", "-B", "-c", _LAUNCHER, str(math.ceil(config.seconds)),
+              str(config.memory_mb << 20), str(config.file_mb << 20), str(config.open_files),
+              str(config.processes), *command]
+    with tempfile.TemporaryDirectory(prefix="rl_sandbox_") as scratch:
+        inputs = []
+        for name, text in files.items():
+            inputs.append((name, os.path.join(scratch, f"input{len(inputs)}")))
+            with open(inputs[-1][1], "w", encoding="utf-8") as f:
+                f.write(text)
+        with open(os.path.join(scratch, "out"), "w+b") as out, open(os.path.join(scratch, "err"), "w+b") as err:
+            if config.isolated:
+                returncode = _run_isolated(config, launch, inputs, out, err)
+            else:
+                returncode = _run_unisolated(config, launch, inputs, out, err)
+            return Result(_read(out, config.output_bytes), _read(err, config.output_bytes), returncode)
+
+
+def _run_isolated(config: SandboxConfig, launch: list[str], inputs, out, err) -> int | None:
+    descriptors = [os.open(path, os.O_RDONLY) for _, path in inputs]
+    arguments = [shutil.which(BUBBLEWRAP) or BUBBLEWRAP, "--unshare-all", "--die-with-parent", "--new-session",
+                 "--cap-drop", "ALL", "--clearenv", "--uid", str(NOBODY), "--gid", str(NOBODY),
+                 "--hostname", "sandbox", "--setenv", "HOME", WORKDIR, "--setenv", "LANG", "C.UTF-8"]
+    for path in _read_only_paths(config.python):
+        arguments += ["--symlink", os.readlink(path), path] if os.path.islink(path) else ["--ro-bind", path, path]
+    arguments += ["--proc", "/proc", "--dev", "/dev", "--size", str(config.disk_mb << 20), "--tmpfs", WORKDIR]
+    for (name, _), descriptor in zip(inputs, descriptors):
+        arguments += ["--perms", "0644", "--file", str(descriptor), f"{WORKDIR}/{name}"]
+    # bwrap's own root tmpfs, read-only once the mounts above are made
+    arguments += ["--remount-ro", "/", "--chdir", WORKDIR, "--"]
+    unprivileged = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
+    try:
+        returncode = _wait(arguments + launch, config, out, err, pass_fds=descriptors, **unprivileged)
+        # bwrap exits with 128 + N when signal N ended the command, as a shell does
+        return 128 - returncode if returncode is not None and returncode > 128 else returncode
+    finally:
+        for descriptor in descriptors:
+            os.close(descriptor)
+
+
+def _run_unisolated(config: SandboxConfig, launch: list[str], inputs, out, err) -> int | None:
+    with tempfile.TemporaryDirectory(prefix="rl_unisolated_") as directory:
+        for name, path in inputs:
+            shutil.copyfile(path, os.path.join(directory, name))
+        return _wait(launch, config, out, err, cwd=directory)
+
+
+def _wait(command: list[str], config: SandboxConfig, out, err, **popen) -> int | None:
+    """The exit status, or None once the time limit has passed (the process group killed:
+    bubblewrap, or the unisolated command and the children still in its group)."""
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env={},
+                               start_new_session=True, **popen)
+    try:
+        return process.wait(timeout=config.seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return None
+
+
+def _read(stream, limit: int) -> str:
+    stream.seek(0)
+    return stream.read(limit).decode(errors="replace")
+
+
+@functools.cache
+def _read_only_paths(python: str) -> tuple[str, ...]:
+    """The library directories that exist, then what of `python` lies outside them (a pyenv or
+    conda installation): the executable, its standard library and its shared-library directory."""
+    paths = [p for p in LIBRARY_DIRECTORIES if os.path.lexists(p)]
+    query = "import json, sys, sysconfig; print(json.dumps([sysconfig.get_config_var('LIBDIR'), " \
+            "sysconfig.get_paths()['stdlib'], sys.executable]))"
+    found = subprocess.run([python, "-I", "-c", query], capture_output=True, text=True, env={}, check=True)
+    for path in json.loads(found.stdout):
+        real = os.path.realpath(path or "")
+        if path and os.path.exists(real) and not any(_within(real, p) for p in paths):
+            paths.append(real)
+    return tuple(paths)
+
+
+def _within(path: str, directory: str) -> bool:
+    return (path + os.sep).startswith(os.path.realpath(directory) + os.sep)
+
+
+@functools.cache
+def check(python: str) -> None:
+    """Raises SandboxUnavailable, saying why, when `run` cannot isolate a program here."""
+    if shutil.which(BUBBLEWRAP) is None:
+        raise SandboxUnavailable(f"bubblewrap ('{BUBBLEWRAP}') is not on PATH; {INSTALL_HINT}")
+    config = SandboxConfig(python=python, seconds=30)
+    if not os.access(config.python, os.X_OK):
+        raise SandboxUnavailable(f"the sandbox's Python {python} is not an executable file")
+    result = run(config, [config.python, "-I", "-c", "print('isolated')"], {})
+    if result.returncode != 0 or result.stdout != "isolated\n":
+        raise SandboxUnavailable(
+            f"bubblewrap could not start an isolated process (exit {result.returncode}): "
+            f"{(result.stderr or result.stdout).strip()[:500]}. Unprivileged user namespaces may be "
+            "disabled (sysctl kernel.unprivileged_userns_clone, user.max_user_namespaces, or an AppArmor "
+            "policy such as Ubuntu's kernel.apparmor_restrict_unprivileged_userns); as root, the sandbox "
+            f"runs as uid {NOBODY}, which must be able to read the sandbox's Python")
