@@ -13,6 +13,8 @@ patches look them up:
   by `bi.te_gemm.general_gemm`;
 - its TE fused-norm patch (`_te_apply_normalization_patched`, ~8 fp32 passes) by
   `bi.rmsnorm.te_apply_normalization`.
+It also makes torch's embedding backward repeat its bits (`bi.embedding`: one op run with torch's
+deterministic-algorithms flag), which megatron-core leaves to chance.
 
 Modules of this package ask `enabled()` at forward time; nobody threads a flag through call chains.
 
@@ -27,7 +29,7 @@ from collections.abc import Iterator
 from megatron.core.transformer.custom_layers import batch_invariant_kernels as _mcore_bik
 
 from megatron_rl_bi import compat
-from megatron_rl_bi.bi import gemm, log_softmax, mean, rmsnorm, te_gemm
+from megatron_rl_bi.bi import embedding, gemm, log_softmax, mean, rmsnorm, te_gemm
 
 # megatron-core's BI pieces that its overrides look up at call time, or its enabling installs into
 # TE (so ours go in first), and ours.
@@ -56,6 +58,7 @@ def enable() -> None:
             setattr(_mcore_bik, name, kernel)
         with compat.transformer_engine_optional():
             _mcore_bik.enable_batch_invariant_mode()
+        embedding.install()
     except Exception as exc:
         disable()
         raise BatchInvariantModeError(
@@ -65,6 +68,7 @@ def enable() -> None:
 
 
 def disable() -> None:
+    embedding.uninstall()
     _mcore_bik.disable_batch_invariant_mode()
     for name, kernel in _UPSTREAM.items():
         setattr(_mcore_bik, name, kernel)
