@@ -158,3 +158,19 @@ def test_a_missing_pretrained_checkpoint_names_the_callers_flag(tmp_path):
         checkpoint.resolve_checkpoint_dir(str(tmp_path))
     with pytest.raises(ValueError, match=r"^--load .*: neither a dist checkpoint"):
         checkpoint.resolve_checkpoint_dir(str(tmp_path), "--load")
+
+
+def test_every_file_and_directory_is_on_disk_before_the_checkpoint_is_published(tmp_path, gloo_group,
+                                                                                fake_state, monkeypatch):
+    events, fsync, replace = [], checkpoint._fsync, os.replace
+    monkeypatch.setattr(checkpoint, "_fsync", lambda path: (events.append(("fsync", path)), fsync(path)))
+    monkeypatch.setattr(checkpoint.os, "replace", lambda a, b: (events.append(("replace", a, b)), replace(a, b)))
+    final = checkpoint.save_checkpoint(str(tmp_path), 5, None, None, {"step": 5})
+    tmp = final + ".tmp"
+    published = events.index(("replace", tmp, final))
+    synced = {event[1] for event in events[:published] if event[0] == "fsync"}
+    written = {os.path.join(tmp, name) for name in os.listdir(final)}
+    assert written == {os.path.join(tmp, "shard.pt"), os.path.join(tmp, checkpoint.RL_STATE)}
+    assert written | {tmp, str(tmp_path)} <= synced  # the files, their directory, its parent
+    latest = os.path.join(str(tmp_path), checkpoint.LATEST)
+    assert events.index(("replace", latest + ".tmp", latest)) > published

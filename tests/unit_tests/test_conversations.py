@@ -78,6 +78,15 @@ def test_a_conversation_keeps_who_wrote_each_token():
     assert engine.requests[1][0] == "find k\n<s>k</s>=v;"
 
 
+def test_an_environment_answer_is_cut_to_its_token_budget():
+    engine = ScriptedEngine(["<s>k</s>", "<a>v</a>$"])
+    [conversation], _, _ = run_conversations(engine, [EXAMPLE], KeyValue, TOK, SAMPLING,
+                                             TurnConfig(max_turns=3, observation_tokens=2))
+    # the environment answered "=v;": its first 2 tokens join the conversation
+    assert TOK.decode(conversation.completion_tokens) == "<s>k</s>=v<a>v</a>"
+    assert conversation.completion_sampled == [True] * 8 + [False] * 2 + [True] * 9
+
+
 def test_stop_strings_cut_a_turn_after_the_token_that_completes_them():
     ids = TOK.encode("ab</s>cd")
     assert tokens_through_stop(ids, TOK, ("</s>",)) == 6

@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import re
+import sys
 
 import pytest
 
@@ -127,3 +128,23 @@ def test_the_plan_against_the_run(tmp_path):
         "| `run.jsonl` | training | 6.0 | 6.0 | 1.00 |",
         "| `run.jsonl` | the run, its start included | 10.0 | 12.5 | 0.80 |",
         "| `older.jsonl` | the run, its start included | 10.0 | 8.0 | 1.25 |"]
+
+
+def test_an_edited_table_cell_is_drift_and_the_cli_says_so(tmp_path, monkeypatch, capsys):
+    header = "<!-- table parity results/parity_dense_h200.json -->\n"
+    right = header + results_docs.render_table("parity", "results/parity_dense_h200.json") + "\n<!-- /table -->"
+    assert results_docs.regenerate(right, "doc")[1:] == ([], [])
+    edited = right.replace("| 35.4% (99.0%) |", "| 34.4% (99.0%) |")
+    assert edited != right
+    written, drifted, errors = results_docs.regenerate(edited, "doc")
+    assert errors == [] and drifted == ["doc:1: table parity differs from its files"] and written == right
+    document = tmp_path / "doc.md"
+    document.write_text(edited)
+    (tmp_path / "results").symlink_to(REPO / "results")
+    monkeypatch.setattr(results_docs, "documents", lambda: [document])
+    monkeypatch.setattr(results_docs, "REPO", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["results_docs.py"])
+    with pytest.raises(SystemExit) as exit_status:
+        results_docs.main()
+    assert exit_status.value.code == 1
+    assert capsys.readouterr().out == "doc.md:1: table parity differs from its files\n"

@@ -188,8 +188,10 @@ def test_a_case_without_its_step_count_is_refused_when_read(tmp_path, text, prob
 
 
 # The published run each case's exact values must equal (same recipe and flags, same bits).
+# The published run of each case's recipe (a case without one is checked for provenance only).
 PUBLISHED_RUN = {"gpt_tiny/bi_dense": "rl_tiny_h200.jsonl", "gpt_tiny/bi_resume": "rl_tiny_h200.jsonl",
-                 "gpt_tiny/bi_dp2": "rl_tiny_dp2_h200.jsonl", "hybrid_tiny/bi_hybrid": "rl_tiny_hybrid_h200.jsonl"}
+                 "gpt_tiny/bi_dp2": "rl_tiny_dp2_h200.jsonl", "hybrid_tiny/bi_hybrid": "rl_tiny_hybrid_h200.jsonl",
+                 "gpt_tiny/conversation_search": "rl_tiny_search_h200.jsonl"}
 
 
 @pytest.mark.parametrize("path", golden_values.all_cases(), ids=lambda p: os.path.relpath(p, golden_values.CASES))
@@ -203,8 +205,11 @@ def test_golden_files_carry_provenance_and_the_published_runs_values(path):
 
     name = os.path.relpath(path, golden_values.CASES)
     golden = golden_values.read_object(os.path.join(path, golden_values.GOLDEN))
-    published = os.path.join(REPO, "results", PUBLISHED_RUN[name])
     provenance = golden["provenance"]
+    if name not in PUBLISHED_RUN:
+        assert len(stamped_commit(provenance)) == 40 and len(provenance["source_hash"]) == 64
+        return
+    published = os.path.join(REPO, "results", PUBLISHED_RUN[name])
     if "same_values_as" in provenance:  # written before golden files carried provenance
         assert provenance["same_values_as"] == os.path.relpath(published, REPO)
         assert [stamped_commit(s) for s in read_stamps(published)] == [provenance["declared_commit"]]
@@ -215,3 +220,25 @@ def test_golden_files_carry_provenance_and_the_published_runs_values(path):
     for metric in golden_values.EXACT:
         assert sorted(golden[metric]["values"], key=int) == [str(s) for s in steps], metric
         assert {s: golden[metric]["values"][str(s)] for s in steps} == {s: records[s][metric] for s in steps}
+
+
+def test_a_resume_case_stops_half_way_then_resumes_with_another_seed(tmp_path, monkeypatch):
+    """The second process must start from the checkpoint and with RESUME_SEED: only a restored
+    run can then repeat the golden values (with the run's own seed a restart could too)."""
+    case = golden_values.Case(str(tmp_path), {"--train-iters": 4, "--seed": 7}, {}, "ckpt-resume")
+    calls = []
+
+    def pretrain_rl(case, extra):
+        calls.append(extra)
+        metrics = extra[extra.index("--rl-metrics-jsonl") + 1]
+        steps = (1, 2) if "--exit-interval" in extra else (3, 4)
+        with open(metrics, "a") as f:
+            f.write(json.dumps({"run": STAMP}) + "\n")
+            f.writelines(json.dumps({"step": s, "loss": 0.1 * s}) + "\n" for s in steps)
+
+    monkeypatch.setattr(golden_values, "_pretrain_rl", pretrain_rl)
+    records, _ = golden_values.run_case(case, str(tmp_path), resume=True)
+    checkpoints = str(tmp_path / "ckpt")
+    assert calls[0][-2:] == ["--exit-interval", "2"] and "--load" not in calls[0]
+    assert calls[1][-4:] == ["--load", checkpoints, "--seed", str(golden_values.RESUME_SEED)]
+    assert golden_values.RESUME_SEED != 7 and sorted(records) == [3, 4]

@@ -88,3 +88,18 @@ def test_each_layer_saves_what_the_plan_counts_per_token(cpu_forward, cpu_dispat
     planned = {index: sum(memory.activation_bytes_per_token(shape, symbol) for symbol in layer)
                for index, layer in enumerate(shape.layers)}
     assert per_token == planned
+
+
+def test_a_built_model_runs_the_fused_rope_and_the_one_call_packed_rope(cpu_forward, cpu_dispatch, monkeypatch):
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_rl_bi.models import rope
+
+    monkeypatch.setattr(flash, "flash_varlen_function", lambda version: _flash_attention)
+    # as before any build: megatron-core's own functions in place
+    monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_bshd", rope.megatron_cores_rope())
+    monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_thd", lambda *args, **kwargs: None)
+    with bi.batch_invariant(True):
+        build_model(parse_rl_args(COMMON + MODELS["dense"]), VOCAB)
+    assert rope_utils._apply_rotary_pos_emb_bshd.upstream is rope.megatron_cores_rope()
+    assert rope_utils._apply_rotary_pos_emb_thd.one_call

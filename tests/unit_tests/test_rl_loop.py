@@ -4,6 +4,7 @@ every key a step reports, and the weight version counting optimizer updates."""
 
 import json
 import os
+import re
 import signal
 import types
 
@@ -25,7 +26,7 @@ from megatron_rl_bi.models.logprobs import forward_logprobs
 from megatron_rl_bi.optimizer import build_lr_scheduler
 from megatron_rl_bi.packing import pack_sequences
 from megatron_rl_bi.reporting.metrics import MetricsLogger, read_step_records
-from megatron_rl_bi.rl import loop
+from megatron_rl_bi.rl import loop, step
 from megatron_rl_bi.rl.loop import run_rl
 
 from .conftest import ScriptedGenerator
@@ -161,7 +162,23 @@ class LookupEngine(ScriptedGenerator):
         return out
 
 
-def test_a_multi_turn_run_trains_on_sampled_tokens_only(tmp_path, cpu_loop):
+def test_a_multi_turn_run_trains_on_sampled_tokens_only(tmp_path, cpu_loop, monkeypatch):
+    trained = []  # (target ids, loss mask, sequence ids) of each micro-batch the loss weighs
+    token_weights = step.token_weights
+
+    def recording_token_weights(completion, sequence_ids, *rest):
+        trained.append((packed_targets[-1], completion.clone(), sequence_ids.clone()))
+        return token_weights(completion, sequence_ids, *rest)
+
+    packed_targets, pack = [], step._pack
+
+    def recording_pack(rollouts):
+        packed, advantages = pack(rollouts)
+        packed_targets.append(packed.batch.target_ids.clone())
+        return packed, advantages
+
+    monkeypatch.setattr(step, "token_weights", recording_token_weights)
+    monkeypatch.setattr(step, "_pack", recording_pack)
     args = parse_rl_args(MODEL + ["--grpo-prompts-per-step", "2", "--grpo-group-size", "2",
                                   "--rl-task", "lookup", "--rl-env", "search", "--rl-search-top-k", "1",
                                   "--train-iters", "2", "--rl-sft-warmup-steps", "1", "--rl-sft-batch-size", "2",
@@ -181,6 +198,13 @@ def test_a_multi_turn_run_trains_on_sampled_tokens_only(tmp_path, cpu_loop):
         # "\n<information>Doc 1: k1x is ddd</information>\n" (46) from the environment
         assert record["rollouts/sampled_tokens"] == 40 and record["rollouts/environment_tokens"] == 46
         assert record["bit_wise/tokens"] == 4 * 40  # parity over the sampled tokens alone
+    # the loss weighs the tokens the model sampled, each conversation's two turns, and no other
+    assert len(trained) == 2
+    for targets, loss_mask, sequence_ids in trained:
+        for sequence in range(4):
+            text = TOK.decode(targets[loss_mask & (sequence_ids == sequence)].tolist())
+            key, value = re.fullmatch(r"<search>(\w+)</search><answer>(\d+)</answer>", text).groups()
+            assert value == (task.values[key] if sequence % 2 == 0 else "000")
 
 
 class CountingSortingEngine(SortingEngine):
