@@ -171,7 +171,7 @@ def read_inputs(argv: list[str] | None) -> RunInputs:
     continue_checkpoint_seed(args)
     tokenizer = build_tokenizer(args.rl_tokenizer, chat_template=not args.rl_no_chat_template)
     engine_config = engine_config_from_args(args, temperature=args.rl_default_temperature)
-    task = build_task(args.rl_task, args.seed, args.rl_dataset)
+    task = build_task(args.rl_task, args.seed, args.rl_dataset, args.rl_env)
     eval_task = JsonlTask(args.rl_eval_dataset) if args.rl_eval_dataset else None
     for dataset in (task, eval_task):
         if isinstance(dataset, JsonlTask):

@@ -49,10 +49,13 @@ class SortTask:
 
 
 class CountdownTask:
-    """'countdown: 3 5 7 -> 22\\n' -> an expression using 3, 5 and 7 once each that equals 22."""
+    """'countdown: 3 5 7 -> 22\\n' -> an expression using 3, 5 and 7 once each that equals 22.
+    With `code_demonstrations` (--rl-env code) the warm-up's target is a conversation with the
+    code environment: print the expression, read its value, answer with it."""
 
-    def __init__(self, seed: int, num_numbers: int = 3, max_number: int = 9):
+    def __init__(self, seed: int, num_numbers: int = 3, max_number: int = 9, code_demonstrations: bool = False):
         self.seed, self.num_numbers, self.max_number = seed, num_numbers, max_number
+        self.code_demonstrations = code_demonstrations
         self.size = None
 
     def example(self, index: int) -> Example:
@@ -66,6 +69,9 @@ class CountdownTask:
             prompt=f"countdown: {' '.join(map(str, numbers))} -> {target}\n",
             answer=expression,
             verify=functools.partial(verify_countdown, numbers=numbers, target=target),
+            # with the code environment's answer to the first turn (envs.code): the program's output
+            demonstration=((f"<code>print({expression})</code>", f"\n<output>{target}\n</output>\n",
+                            f"<answer>{expression}</answer>") if self.code_demonstrations else None),
         )
 
 
@@ -192,12 +198,13 @@ def _question_line(where: str, record: dict) -> Example:
                    verify=functools.partial(verify_exact_match, answers=tuple(answers)))
 
 
-def build_task(name: str, seed: int, dataset: str | None = None):
-    """--rl-task sort|countdown|lookup|jsonl (jsonl needs --rl-dataset FILE)."""
+def build_task(name: str, seed: int, dataset: str | None = None, environment: str | None = None):
+    """--rl-task sort|countdown|lookup|jsonl (jsonl needs --rl-dataset FILE); `environment` is
+    --rl-env (countdown's warm-up then shows a conversation with the code environment)."""
     if name == "sort":
         return SortTask(seed)
     if name == "countdown":
-        return CountdownTask(seed)
+        return CountdownTask(seed, code_demonstrations=environment == "code")
     if name == "lookup":
         return LookupTask(seed)
     if name == "jsonl":

@@ -117,3 +117,18 @@ def test_the_flags_make_the_sandbox(tmp_path):
                                                          memory_mb=300)
     args = parse_rl_args(COMMON + ["--rl-env", "code", "--rl-code-without-isolation"])
     assert code_sandbox_from_args(args) == SandboxConfig(python=base_interpreter(), isolated=False)
+
+
+def test_countdowns_warm_up_conversation_is_the_one_the_environment_holds(limits):
+    """--rl-task countdown --rl-env code: the demonstration's middle piece is what the sandbox
+    answers to its first turn, and its answer scores."""
+    task = build_task("countdown", seed=0, environment="code")
+    environment = code_environment(limits())()
+    for index in range(3):
+        example = task.example(index)
+        code_turn, observation, answer_turn = example.demonstration
+        assert code_turn == f"<code>print({example.answer})</code>"
+        environment.reset(example)
+        assert environment.step(code_turn) == (observation, 0.0, False)
+        assert environment.step(answer_turn) == ("", 1.0, True)
+    assert build_task("countdown", seed=0).example(0).demonstration is None

@@ -33,7 +33,8 @@ def test_hf_math_recipes(tmp_path, name, save):
 @pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("tiny_*.yaml")))
 def test_tiny_recipes(recipe):
     args = parse_rl_args(["--recipe", str(RECIPES / recipe)])
-    assert args.rl_task == ("lookup" if recipe == "tiny_lookup.yaml" else "sort") and args.train_iters == 120
+    tasks = {"tiny_lookup.yaml": "lookup", "tiny_countdown_code.yaml": "countdown"}
+    assert args.rl_task == tasks.get(recipe, "sort") and args.train_iters == 120
 
 
 def test_hf_flags_that_need_each_other(tmp_path):

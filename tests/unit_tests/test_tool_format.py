@@ -16,44 +16,8 @@ from megatron_rl_bi.envs.tool_format import build_tool_format, parse_tool_call, 
 from megatron_rl_bi.inference import Generation, Sampling
 from megatron_rl_bi.rl.conversations import TurnConfig, run_conversations
 
+from ..chat_tokenizer import NO_TOOL_TEMPLATE, TOOL_TEMPLATE, save_bpe_tokenizer
 from .conftest import ScriptedGenerator
-
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# Written for this test after the layout of Qwen3's template (not its text).
-TOOL_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\nTools:' }}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}"
-    "{%- endfor %}{{- '\\nCall one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-NO_TOOL_TEMPLATE = ("{%- for m in messages if m.role != 'tool' %}{{- '<|im_start|>' + m.role + '\\n' + m.content "
-                    "+ '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-                    "{%- endif %}")
-
-
-def save_bpe_tokenizer(path, template: str) -> HFTokenizer:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    corpus = ["<tool_call>\n{\"name\": \"search\", \"arguments\": {\"query\": \"b4x\"}}\n</tool_call>",
-              "<tool_response>\nDoc 1: b4x is 317\n</tool_response>", "find b4x <answer>317</answer>"]
-    backend.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.chat_template = template
-    tokenizer.save_pretrained(str(path))
-    return HFTokenizer(str(path))
-
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
@@ -184,3 +148,17 @@ def test_what_chat_cannot_do_is_refused_naming_the_flag(tmp_path, tok):
     no_tool_messages = save_bpe_tokenizer(tmp_path, NO_TOOL_TEMPLATE)
     with pytest.raises(ValueError, match="--rl-tool-format chat: the tokenizer's chat template does not render a tool"):
         build_tool_format("chat", no_tool_messages, Lookup)
+
+
+def test_the_chat_cases_tokenizer_is_this_ones_and_renders_tool_turns(tmp_path):
+    """tests/functional_tests/assets/chat_tokenizer (gpt_tiny/conversation_chat) is what
+    tests/chat_tokenizer.py writes, and --rl-tool-format chat takes it."""
+    import pathlib
+
+    asset = pathlib.Path(__file__).resolve().parents[1] / "functional_tests" / "assets" / "chat_tokenizer"
+    save_bpe_tokenizer(tmp_path, TOOL_TEMPLATE)
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        assert (asset / name).read_text() == (tmp_path / name).read_text()
+    environment = type("Search", (), {"stop_strings": ("</search>", "</answer>"), "tools": (SEARCH_TOOL,)})
+    turns = build_tool_format("chat", HFTokenizer(str(asset)), environment)
+    assert turns.before and turns.after
