@@ -186,3 +186,36 @@ def test_the_weights_go_out_when_a_batch_or_a_validation_needs_them():
     assert [s for s in range(1, 11) if schedule.sends_after(s)] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert (schedule.next_send(7), schedule.next_send(8), schedule.next_send(0)) == (8, None, 1)
     assert [s for s in range(1, 11) if Schedule(lag=0, last_step=10).sends_after(s)] == list(range(1, 10))
+
+
+class _Exchange:
+    """A bridge's key-value exchange, in memory: trainer rank 0 and one generator."""
+
+    def __init__(self, roles, shared):
+        self.roles, self.shared = roles, shared
+
+    def put(self, key, value):
+        self.shared[key] = value
+
+    def take(self, key, who):
+        return self.shared[key]
+
+
+@pytest.mark.parametrize("generator_tensors,message", [
+    ({"w": torch.zeros(2, 3), "b": torch.zeros(3)}, None),
+    ({"w": torch.zeros(3, 2), "b": torch.zeros(3)}, r"gen: its model has \('w', \(3, 2\), 'torch.float32'\), "
+                                                    r"the trainer's \('w', \(2, 3\), 'torch.float32'\)"),
+    ({"w": torch.zeros(2, 3), "b": torch.zeros(3, dtype=torch.bfloat16)}, r"\('b', \(3,\), 'torch.bfloat16'\)"),
+    ({"w": torch.zeros(2, 3)}, "gen: its model has 1 tensors, the trainer's 2"),
+])
+def test_a_generator_built_otherwise_than_the_trainer_is_refused(generator_tensors, message):
+    from megatron_rl_bi.bridge import check_layout
+
+    shared = {}
+    check_layout(_Exchange(Roles(0, 2, 1), shared), [("w", torch.zeros(2, 3)), ("b", torch.zeros(3))], "trainer")
+    generator = _Exchange(Roles(1, 2, 1), shared)
+    if message is None:
+        check_layout(generator, list(generator_tensors.items()), "gen")
+    else:
+        with pytest.raises(ValueError, match=message):
+            check_layout(generator, list(generator_tensors.items()), "gen")

@@ -37,3 +37,19 @@ def test_where_a_load_would_resume(tmp_path):
         f"{tmp_path}/iter_0000005 was written by 2 data-parallel ranks; this launch has 1"]
     # with generator ranks apart only the trainers are data-parallel ranks
     assert resume_line(str(tmp_path), 2)[1] == []
+
+
+def test_with_generator_ranks_the_check_matches_a_checkpoint_to_the_trainers(tmp_path, monkeypatch, capsys):
+    """3 processes, the last generating apart: a checkpoint of 2 data-parallel ranks resumes."""
+    from megatron_rl_bi import launch
+
+    (tmp_path / "iter_0000005").mkdir()
+    torch.save({"step": 5, "ranks": [{"step": 5}] * 2}, tmp_path / "iter_0000005" / "rl_state.pt")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5\n")
+    monkeypatch.setattr(launch, "launch_processes", lambda: [_process(r, world=3) for r in range(3)])
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: None)
+    launch.launch_check(str(tmp_path), generators=1)
+    out = capsys.readouterr().out
+    assert "rank 0 of 3 on node0 (local rank 0), data-parallel group [0, 1]" in out
+    assert f"launch check passed: 3 processes on 2 nodes (node0, node1); --load {tmp_path}: would resume" in out

@@ -273,3 +273,23 @@ def test_the_tool_prints_and_writes_the_plan(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["memory_plan.py", "--plan-gpus", "0"])
     with pytest.raises(SystemExit, match="--plan-gpus must be >= 1"):
         tool.main()
+
+
+def test_recompute_of_several_layers_a_chunk_by_hand():
+    four = dataclasses.replace(DENSE, layers=("*-",) * 4)  # 1640 bytes a layer at 10 tokens, inputs 80
+    # uniform, 2 layers a chunk: 2 chunk inputs, then a chunk of 2 layers recomputed
+    assert activation_bytes(four, 10, Recompute("full", "uniform", 2)) == 2 * 80 + 2 * 1640
+    # uniform, 3 layers a chunk: chunks of 3 and 1 layers; the larger one recomputed
+    assert activation_bytes(four, 10, Recompute("full", "uniform", 3)) == 2 * 80 + 3 * 1640
+    # block, 2: the first 2 layers checkpointed one by one, the last 2 kept through the forward
+    assert activation_bytes(four, 10, Recompute("full", "block", 2)) == 2 * 80 + 2 * 1640
+    assert activation_bytes(four, 10, Recompute("full", "block", 3)) == 3 * 80 + 1640
+
+
+def test_cuda_graphs_hold_a_decode_steps_fp32_logits_while_generating():
+    params, run = 372, _run()
+    graphed = dataclasses.replace(run, engine=dataclasses.replace(run.engine, cuda_graphs=True))
+    plan = plan_memory(graphed, Levers())
+    assert plan.item("engine logits buffer").bytes == 4 * 16 * 4  # 4 requests, 16 logits, fp32
+    assert plan.phase_bytes(GENERATION) == 18 * params + 1000 + 256
+    assert plan.phase_bytes(TRAINING) == 18 * params + 1000 + 3280 + 2880
