@@ -267,14 +267,22 @@ def test_the_limits_hold_inside(python):
     assert limits == [(3, 3), (300 << 20, 300 << 20), (5 << 20, 5 << 20), (40, 40), (7, 7), (0, 0)]
 
 
-def test_without_bubblewrap_the_code_environment_refuses_naming_the_opt_in(python, monkeypatch):
+@pytest.fixture
+def fresh_check():
+    """`sandbox.check` remembers a Python it has isolated: forget, before and after."""
+    sandbox.check.cache_clear()
+    yield
+    sandbox.check.cache_clear()
+
+
+def test_without_bubblewrap_the_code_environment_refuses_naming_the_opt_in(python, monkeypatch, fresh_check):
     monkeypatch.setattr(sandbox, "BUBBLEWRAP", "bwrap-not-installed")
     with pytest.raises(ValueError, match=r"--rl-env code: the sandbox cannot isolate programs here: bubblewrap "
                        r"\('bwrap-not-installed'\) is not on PATH; install bubblewrap.*--rl-code-without-isolation"):
         code_environment(config(python))
 
 
-def test_a_python_the_sandbox_cannot_run_is_refused(tmp_path):
+def test_a_python_the_sandbox_cannot_run_is_refused(tmp_path, fresh_check):
     with pytest.raises(ValueError, match="--rl-code-python PATH"):
         code_environment(sandbox.SandboxConfig(python=str(tmp_path / "python3")))
 
