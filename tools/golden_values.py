@@ -100,7 +100,7 @@ def all_cases() -> list[str]:
 
 def _pretrain_rl(case: Case, extra: list[str]) -> None:
     env = {**os.environ, **{k: str(v) for k, v in case.env_vars.items() if k != "NPROC"}}
-    command = [sys.executable, "-m", "torch.distributed.run",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={case.env_vars.get('NPROC', 1)}",
                os.path.join(REPO, "pretrain_rl.py"), *case.flags(), *extra]
     subprocess.run(command, check=True, cwd=REPO, env=env)
