@@ -22,7 +22,7 @@ FLAG = re.compile(r"(?<![\w-])--[a-z0-9]+(?:-[a-z0-9]+)*(?![\w{*-])")
 OTHER_PROGRAMS = {
     "--help": "argparse",
     "--nproc-per-node": "torchrun", "--nnodes": "torchrun", "--rdzv-backend": "torchrun",
-    "--rdzv-endpoint": "torchrun", "--rdzv-id": "torchrun", "--master-port": "torchrun",
+    "--rdzv-endpoint": "torchrun", "--rdzv-id": "torchrun", "--master-port": "torchrun", "--standalone": "torchrun",
     "--capture-range": "nsys", "--capture-range-end": "nsys",
     "--nodes": "sbatch", "--ntasks": "sbatch", "--ntasks-per-node": "sbatch",
     "--gpus-per-node": "sbatch", "--gpus": "sbatch", "--exclusive": "sbatch",
