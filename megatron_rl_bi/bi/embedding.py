@@ -1,7 +1,7 @@
 """The embedding's weight gradient, repeatable bit for bit in BI mode.
 
-torch 2.11's CUDA embedding backward (the H200's) (`embedding_dense_backward`), for more than 3,072 indices
-over few distinct rows (a small vocabulary: the tiny recipes' character tokenizer), takes a fused
+torch 2.11's CUDA embedding backward (`embedding_dense_backward`, the H200's torch), for more than
+3,072 indices over few distinct rows (a small vocabulary: the tiny recipes' character tokenizer), takes a fused
 kernel that adds partial sums into the gradient with atomics, in whatever order the GPU runs
 them; torch skips it when its deterministic-algorithms flag is set, for its two-pass kernel.
 megatron-core's embedding calls `F.embedding` (its deterministic mode's indexing instead changes

@@ -21,6 +21,7 @@ from megatron_rl_bi.rl.conversations import TurnConfig, run_conversations
 
 from ..sandbox_fixtures import sandbox_python
 from .conftest import ScriptedGenerator
+from .test_search_env import COMMON
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +97,6 @@ def test_a_turn_without_code_or_answer_is_told_so_and_the_conversation_goes_on(l
     assert environment.step("I think the answer is 7") == (
         "\nThe last turn took no action. Write one of: <code>program</code> or <answer>answer</answer>.\n",
         0.0, False)
-
-
-COMMON = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "48", "--num-attention-heads", "4",
-          "--seq-length", "64", "--max-position-embeddings", "64", "--train-iters", "1", "--bf16"]
 
 
 @pytest.mark.parametrize("flag", [["--rl-code-python", "/usr/bin/python3"], ["--rl-code-without-isolation"]])
