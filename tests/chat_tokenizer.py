@@ -1,6 +1,8 @@
 """A byte-level BPE tokenizer with a chat template in Qwen3's manner (tools declared in a system
-turn, tool answers as <tool_response> in a user turn), trained here on a few lines (nothing is
-downloaded): what the chat tool-format tests run. `python -m tests.chat_tokenizer DIR` writes it."""
+turn, tool answers as <tool_response> in a user turn), trained here on a few lines: what the
+chat tool-format tests and the functional case gpt_tiny/conversation_chat run (nothing is
+downloaded). `python -m tests.chat_tokenizer DIR` writes it (the case's copy:
+tests/functional_tests/assets/chat_tokenizer)."""
 
 import sys
 

@@ -149,3 +149,16 @@ def test_what_chat_cannot_do_is_refused_naming_the_flag(tmp_path, tok):
     with pytest.raises(ValueError, match="--rl-tool-format chat: the tokenizer's chat template does not render a tool"):
         build_tool_format("chat", no_tool_messages, Lookup)
 
+
+def test_the_chat_cases_tokenizer_is_this_ones_and_renders_tool_turns(tmp_path):
+    """tests/functional_tests/assets/chat_tokenizer (gpt_tiny/conversation_chat) is what
+    tests/chat_tokenizer.py writes, and --rl-tool-format chat takes it."""
+    import pathlib
+
+    asset = pathlib.Path(__file__).resolve().parents[1] / "functional_tests" / "assets" / "chat_tokenizer"
+    save_bpe_tokenizer(tmp_path, TOOL_TEMPLATE)
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        assert (asset / name).read_text() == (tmp_path / name).read_text()
+    environment = type("Search", (), {"stop_strings": ("</search>", "</answer>"), "tools": (SEARCH_TOOL,)})
+    turns = build_tool_format("chat", HFTokenizer(str(asset)), environment)
+    assert turns.before and turns.after
