@@ -121,6 +121,50 @@ def installed_kernel_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def moe_errors(args: argparse.Namespace, batch_invariant: bool) -> list[str]:
+    """Why a --num-experts run cannot work here (models/moe.py: megatron-core's MoE layer with
+    expert parallelism 1, the allgather dispatcher, SequentialMLP experts, engine eager), and in
+    BI mode what would make a token's routing depend on its batch."""
+    if not args.num_experts:
+        return []
+    errors = []
+    for flag, value in (("--expert-model-parallel-size", args.expert_model_parallel_size),
+                        ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size)):
+        if value not in (None, 1):
+            errors.append(f"{flag} {value}: MoE runs with expert parallelism 1 (use data parallelism)")
+    if args.moe_token_dispatcher_type != "allgather":
+        errors.append(f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type}: at expert "
+                      "parallelism 1 the allgather dispatcher is the one supported (the default)")
+    for flag, on in (("--moe-grouped-gemm", args.moe_grouped_gemm),
+                     ("--moe-permute-fusion", args.moe_permute_fusion),
+                     ("--moe-router-fusion", args.moe_router_fusion),
+                     ("--moe-shared-expert-overlap", args.moe_shared_expert_overlap),
+                     ("--moe-latent-size", args.moe_latent_size),
+                     ("--moe-pad-experts-for-cuda-graph-inference",
+                      args.moe_pad_experts_for_cuda_graph_inference)):
+        if on:
+            errors.append(f"{flag}: not supported with --num-experts here (the experts run as "
+                          "SequentialMLP, one GEMM an expert; the engine runs MoE models eagerly)")
+    if args.cuda_graph_impl != "none":
+        errors.append(f"--cuda-graph-impl {args.cuda_graph_impl} with --num-experts: the engine runs "
+                      "MoE models eagerly (the dispatcher splits tokens on the host); leave it none")
+    if batch_invariant:
+        if args.moe_expert_capacity_factor is not None or args.moe_pad_expert_input_to_capacity:
+            errors.append("--moe-expert-capacity-factor with --batch-invariant-mode: which tokens an "
+                          "expert drops depends on the rest of the batch; leave it unset")
+        if "sinkhorn" in args.moe_router_load_balancing_type:
+            errors.append("--moe-router-load-balancing-type sinkhorn with --batch-invariant-mode: "
+                          "sinkhorn normalizes across the batch's tokens; use aux_loss, seq_aux_loss, "
+                          "global_aux_loss or none")
+        if args.moe_input_jitter_eps:
+            errors.append("--moe-input-jitter-eps with --batch-invariant-mode: the trainer's router "
+                          "would see noise the engine's does not; leave it unset")
+        if args.moe_router_force_load_balancing:
+            errors.append("--moe-router-force-load-balancing with --batch-invariant-mode: random "
+                          "routing; leave it off")
+    return errors
+
+
 def validate_batch_invariance(args: argparse.Namespace, batch_invariant: bool | None = None) -> None:
     """Raises one ValueError listing every flag that breaks trainer/engine parity, in BI mode
     when `batch_invariant` (default: --batch-invariant-mode) is true."""
@@ -137,7 +181,9 @@ def validate_batch_invariance(args: argparse.Namespace, batch_invariant: bool | 
     if args.attention_dropout > 0:  # FlashCoreAttention, in every mode
         errors.append(f"--attention-dropout {args.attention_dropout}: training attention runs "
                       "without dropout; use 0")
-    if args.batch_invariant_mode if batch_invariant is None else batch_invariant:
+    batch_invariant = args.batch_invariant_mode if batch_invariant is None else batch_invariant
+    errors += moe_errors(args, batch_invariant)
+    if batch_invariant:
         if problem := _bi_flash_attention_error(args.flash_attention_version):
             errors.append(problem)
         if args.context_parallel_size != 1:

@@ -1,6 +1,6 @@
-"""Hybrid (Qwen3.5-style) stack: GDN, attention and MLP layers in the order of megatron-core's
-`hybrid_layer_pattern` ('G' GDN, '*' attention, '-' MLP; e.g. "G-G-G-*-" is 3 GDN : 1
-attention, each followed by an MLP).
+"""Hybrid (Qwen3.5-style) stack: GDN, attention, MLP and MoE layers in the order of megatron-core's
+`hybrid_layer_pattern` ('G' GDN, '*' attention, '-' MLP, 'E' mixture of experts; e.g. "G-G-G-*-"
+is 3 GDN : 1 attention, each followed by an MLP; "GEGE*E" the same with MoE layers, models.moe).
 
 The layer structure is megatron-core's HybridStack spec; only kernels change: FlashCoreAttention
 for attention, SwitchedGatedDeltaNet for GDN, and either local linears with models.norm.RMSNorm
@@ -27,11 +27,16 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import (
+    MoETransformerLayer,
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
 
 from megatron_rl_bi.attention import FlashCoreAttention
 from megatron_rl_bi.models.gdn import SwitchedGatedDeltaNet
 from megatron_rl_bi.models.gpt_spec import check_transformer_impl
+from megatron_rl_bi.models.moe import moe_mlp
 from megatron_rl_bi.models.norm import RMSNorm
 
 
@@ -41,19 +46,24 @@ class _Kernels:
     first_linear: type  # in_proj, linear_qkv, linear_fc1
     last_linear: type  # out_proj, linear_proj, linear_fc2
     qk_norm: type
+    norm: type  # a norm on its own (before a MoE layer's router and experts)
+    expert_linears: tuple[type, type]  # an expert's fc1 and fc2
 
 
 def _kernels(transformer_impl: str) -> _Kernels:
     check_transformer_impl(transformer_impl)
     if transformer_impl == "local":
-        return _Kernels(RMSNorm, ColumnParallelLinear, RowParallelLinear, RMSNorm)
+        return _Kernels(RMSNorm, ColumnParallelLinear, RowParallelLinear, RMSNorm, RMSNorm,
+                        (ColumnParallelLinear, RowParallelLinear))
     from megatron.core.extensions.transformer_engine import (
+        TEColumnParallelLinear,
         TELayerNormColumnParallelLinear,
         TENorm,
         TERowParallelLinear,
     )
 
-    return _Kernels(IdentityOp, TELayerNormColumnParallelLinear, TERowParallelLinear, TENorm)
+    return _Kernels(IdentityOp, TELayerNormColumnParallelLinear, TERowParallelLinear, TENorm, TENorm,
+                    (TEColumnParallelLinear, TERowParallelLinear))
 
 
 def hybrid_stack_spec(transformer_impl: str, qk_layernorm: bool = False) -> ModuleSpec:
@@ -103,9 +113,16 @@ def hybrid_stack_spec(transformer_impl: str, qk_layernorm: bool = False) -> Modu
             mlp_bda=get_bias_dropout_add,
         ),
     )
+    moe_layer = ModuleSpec(
+        module=MoETransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=k.norm, mlp=moe_mlp(*k.expert_linears), mlp_bda=get_bias_dropout_add
+        ),
+    )
     return ModuleSpec(
         module=HybridStack,
         submodules=HybridStackSubmodules(
-            gdn_layer=gdn_layer, attention_layer=attention_layer, mlp_layer=mlp_layer
+            gdn_layer=gdn_layer, attention_layer=attention_layer, mlp_layer=mlp_layer,
+            moe_layer=moe_layer,
         ),
     )

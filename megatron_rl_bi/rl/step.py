@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_rl_bi.distributed import MetricTerms, all_reduce_metrics
 from megatron_rl_bi.models.logprobs import forward_logprobs
@@ -108,10 +109,12 @@ def _versioned_terms(ddp, rollouts: list[Rollout], kept: KeptWeights, weight_ver
     return _renamed(compared.terms(), "bit_wise_versioned/")
 
 
-def _global_counts(minibatches: list[list[Rollout]]) -> torch.Tensor:
-    """[updates, 2]: sampled completion tokens and completions of each mini-batch over all ranks."""
+def _global_counts(minibatches: list[list[Rollout]], micro_batch_tokens: int) -> torch.Tensor:
+    """[updates, 3]: sampled completion tokens, completions and micro-batches of each mini-batch
+    over all ranks."""
     counts = torch.tensor(
-        [[sum(r.generation.sampled_tokens for r in mb), len(mb)] for mb in minibatches],
+        [[sum(r.generation.sampled_tokens for r in mb), len(mb),
+          len(micro_batches(mb, micro_batch_tokens))] for mb in minibatches],
         dtype=torch.float64, device=torch.cuda.current_device(),
     )
     torch.distributed.all_reduce(counts)
@@ -179,7 +182,7 @@ def train_on_rollouts(
     those whose weights are `kept` are also recomputed under them (`bit_wise_versioned/*`)."""
     num_updates = config.updates_per_step
     minibatches = [rollouts[i::num_updates] for i in range(num_updates)]
-    counts = _global_counts(minibatches)
+    counts = _global_counts(minibatches, config.micro_batch_tokens)
     compared = _Compared(weight_version)
     if (counts[:, 0] == 0).all():  # nothing to learn from this step
         return {"update_skipped": 1.0, "optimizer_steps": 0, **all_reduce_metrics(compared.terms())}
@@ -196,6 +199,8 @@ def train_on_rollouts(
             continue
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
+        # MoE layers' load-balancing and z-losses: their mean over the update's micro-batches
+        MoEAuxLossAutoScaler.set_loss_scale(1.0 / counts[update, 2].float())
         for micro in micro_batches(minibatch, config.micro_batch_tokens):
             metrics = _micro_batch_loss(ddp, micro, counts[update], old, compared, config,
                                         ref_model, no_tis)

@@ -1,0 +1,168 @@
+"""Mixture-of-experts layers: megatron-core's MoELayer, batch-invariant under the switch.
+
+megatron-core's layer is kept whole (its TopKRouter with z-loss and load-balancing losses, the
+allgather token dispatcher at expert parallelism 1, SequentialMLP experts, shared experts). With
+the switch on, two of its steps change, since they are where a token's bits could depend on the
+rest of the batch or on the run:
+- top-k: which of several equal scores torch.topk keeps, and in what order it returns the k (sorted
+  only while autograd records, so the engine's come unsorted and a softmax over them adds in
+  another order), are not fixed. Here top-k is a stable descending sort cut at k: the k largest,
+  equal scores by lowest expert index, in one order with or without autograd.
+- permutation and combine: index_select's backward and scatter_add add into a token's row with
+  atomics, in an order that changes from run to run. Here a token's k expert outputs are gathered
+  and added in ascending expert order in fp32, forward and backward, with no atomics.
+The rest is row-wise already: the router GEMM and every expert's GEMMs run through the BI GEMM
+(each row's bits the same for any number of rows an expert receives), the score function is a
+softmax or sigmoid per token, and the experts scale by the router's probabilities row by row.
+"""
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+from torch.overrides import TorchFunctionMode
+
+from megatron_rl_bi import bi
+
+
+def stable_topk(scores: torch.Tensor, k: int, dim: int = -1, largest: bool = True,
+                sorted: bool = True) -> torch.return_types.topk:
+    """torch.topk's result, fixed: the k largest (smallest) along `dim`, largest first, equal
+    values by lowest index. `sorted` is accepted and ignored: the order is always the same."""
+    values, indices = torch.sort(scores, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+
+class _StableTopK(TorchFunctionMode):
+    """Runs torch.topk (function or method) as `stable_topk` inside the block."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.topk or func is torch.Tensor.topk:
+            return stable_topk(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+class BatchInvariantRouter(TopKRouter):
+    """megatron-core's TopKRouter; under the switch its top-k is `stable_topk`."""
+
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        if not bi.enabled():
+            return super().routing(logits, padding_mask)
+        with _StableTopK():
+            return super().routing(logits, padding_mask)
+
+
+@dataclass(frozen=True)
+class ExpertSlots:
+    """Where each token's rows go in the expert-major order the experts take.
+
+    `token_of_row[r]`: the token of permuted row r (rows grouped by expert, ascending, tokens in
+    order within an expert); `rows_of_token[t, j]`: the row of token t's j-th expert (ascending)."""
+
+    token_of_row: torch.Tensor  # [T * k] int64
+    rows_of_token: torch.Tensor  # [T, k] int64
+    expert_major: torch.Tensor  # [T * k] int64: the rows' flat indices into a [E, T] map
+
+
+def expert_slots(routing_map: torch.Tensor, topk: int) -> ExpertSlots:
+    """routing_map [T, E] bool with exactly `topk` experts a token (no token is dropped)."""
+    num_tokens, num_experts = routing_map.shape
+    by_expert = routing_map.T.reshape(-1)  # [E * T]: expert e's tokens at e*T .. e*T+T-1
+    order = torch.argsort(by_expert.to(torch.int8), descending=True, stable=True)
+    expert_major = order[: num_tokens * topk]
+    row_of_entry = torch.empty_like(order)
+    row_of_entry[order] = torch.arange(order.numel(), device=order.device)
+    experts = stable_topk(routing_map.to(torch.int8), topk).indices  # [T, k], ascending
+    tokens = torch.arange(num_tokens, device=order.device).unsqueeze(1)
+    rows_of_token = row_of_entry[experts * num_tokens + tokens]
+    return ExpertSlots(expert_major % num_tokens, rows_of_token, expert_major)
+
+
+def _sum_rows(rows: torch.Tensor, rows_of_token: torch.Tensor) -> torch.Tensor:
+    """out[t] = rows[rows_of_token[t, 0]] + rows[rows_of_token[t, 1]] + ..., added in that order
+    in fp32 and rounded once to rows' dtype."""
+    total = rows.index_select(0, rows_of_token[:, 0]).float()
+    for j in range(1, rows_of_token.shape[1]):
+        total = total + rows.index_select(0, rows_of_token[:, j]).float()
+    return total.to(rows.dtype)
+
+
+class _Permute(torch.autograd.Function):
+    """tokens [T, H] -> rows [T * k, H] in expert-major order; the backward adds each token's k
+    row gradients in a fixed order (index_select's own backward adds them with atomics)."""
+
+    @staticmethod
+    def forward(ctx, tokens, token_of_row, rows_of_token):
+        ctx.save_for_backward(rows_of_token)
+        return tokens.index_select(0, token_of_row)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        (rows_of_token,) = ctx.saved_tensors
+        return _sum_rows(grad_rows, rows_of_token), None, None
+
+
+class _Combine(torch.autograd.Function):
+    """rows [T * k, H] -> tokens [T, H], each token the sum of its k rows in ascending expert order;
+    the backward is a gather (each row belongs to one token)."""
+
+    @staticmethod
+    def forward(ctx, rows, token_of_row, rows_of_token):
+        ctx.save_for_backward(token_of_row)
+        return _sum_rows(rows, rows_of_token)
+
+    @staticmethod
+    def backward(ctx, grad_tokens):
+        (token_of_row,) = ctx.saved_tensors
+        return grad_tokens.index_select(0, token_of_row), None, None
+
+
+class BatchInvariantDispatcher(MoEAllGatherTokenDispatcher):
+    """megatron-core's allgather dispatcher (expert parallelism 1: no communication); under the
+    switch its permutation and combine are `_Permute` and `_Combine`."""
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        if not bi.enabled():
+            return super().dispatch_postprocess(hidden_states, probs)
+        self.hidden_shape_before_permute = hidden_states.shape
+        self.slots = expert_slots(self.routing_map, self.router_topk)
+        tokens_per_expert = self.routing_map.sum(dim=0).long().cpu()  # SequentialMLP splits by it
+        rows = _Permute.apply(hidden_states, self.slots.token_of_row, self.slots.rows_of_token)
+        row_probs = probs.T.reshape(-1).index_select(0, self.slots.expert_major)
+        self.routing_map = None
+        return rows, tokens_per_expert, row_probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        if not bi.enabled():
+            return super().combine_preprocess(hidden_states)
+        return _Combine.apply(hidden_states, self.slots.token_of_row, self.slots.rows_of_token)
+
+
+class BatchInvariantMoELayer(MoELayer):
+    """megatron-core's MoELayer with `BatchInvariantDispatcher` as its token dispatcher."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None,
+                 is_mtp_layer=False, name=None):
+        pg_collection = pg_collection or get_default_pg_collection()
+        super().__init__(config, submodules, layer_number, pg_collection, is_mtp_layer, name)
+        self.token_dispatcher = BatchInvariantDispatcher(
+            self.num_local_experts, self.local_expert_indices, config=self.config,
+            pg_collection=pg_collection,
+        )
+
+
+def moe_mlp(linear_fc1: type, linear_fc2: type):
+    """The MLP builder of a MoE layer (a layer spec's `mlp`): routed SequentialMLP experts and
+    shared experts (built when --moe-shared-expert-intermediate-size is set), of these linears."""
+    linears = MLPSubmodules(linear_fc1=linear_fc1, linear_fc2=linear_fc2)
+    experts = partial(SequentialMLP, submodules=linears)
+    return partial(BatchInvariantMoELayer, submodules=MoESubmodules(
+        experts=experts, shared_experts=partial(SharedExpertMLP, submodules=linears),
+        router=BatchInvariantRouter))

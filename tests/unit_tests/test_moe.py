@@ -1,0 +1,217 @@
+"""models/moe.py on the CPU: the stable top-k, the expert slots, the fixed-order permutation and
+combine by hand, and megatron-core's MoE layer built with them: a token's routing and output the
+same bits alone and in any batch, with and without autograd, under the switch."""
+
+import itertools
+
+import pytest
+import torch
+
+from megatron_rl_bi import bi
+from megatron_rl_bi.models import moe
+
+
+def test_stable_topk_keeps_the_lowest_index_of_equal_scores_in_one_order():
+    scores = torch.tensor([[1.0, 3.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0], [0.0, -1.0, 4.0, 4.0]])
+    for flag in (True, False):
+        values, indices = moe.stable_topk(scores, 2, dim=1, sorted=flag)
+        assert indices.tolist() == [[1, 2], [0, 1], [2, 3]]
+        assert values.tolist() == [[3.0, 3.0], [5.0, 5.0], [4.0, 4.0]]
+    assert moe.stable_topk(scores, 1, largest=False).indices.tolist() == [[0], [0], [1]]
+
+
+def test_the_mode_replaces_torch_topk_function_and_method_only_inside_it():
+    scores = torch.tensor([[2.0, 2.0, 2.0]])
+    with moe._StableTopK():
+        assert torch.topk(scores, k=2, dim=1, sorted=False).indices.tolist() == [[0, 1]]
+        assert scores.topk(2).indices.tolist() == [[0, 1]]
+        assert torch.sort(scores, descending=True).values.tolist() == [[2.0, 2.0, 2.0]]
+    assert torch.topk(scores, 2).indices.shape == (1, 2)  # torch's own again (any of the ties)
+
+
+# tokens 0..2 over experts 0..3, two each: t0 -> {1, 3}, t1 -> {0, 1}, t2 -> {1, 2}
+ROUTING = torch.tensor([[0, 1, 0, 1], [1, 1, 0, 0], [0, 1, 1, 0]], dtype=torch.bool)
+
+
+def test_expert_slots_by_hand():
+    """Rows grouped by expert (e0: t1; e1: t0 t1 t2; e2: t2; e3: t0), as megatron-core's permute
+    orders them, and each token's rows in ascending expert order."""
+    slots = moe.expert_slots(ROUTING, 2)
+    assert slots.token_of_row.tolist() == [1, 0, 1, 2, 2, 0]
+    assert slots.rows_of_token.tolist() == [[1, 5], [0, 2], [3, 4]]
+    assert slots.expert_major.tolist() == [0 * 3 + 1, 1 * 3 + 0, 1 * 3 + 1, 1 * 3 + 2, 2 * 3 + 2, 3 * 3 + 0]
+
+
+def test_permute_and_combine_by_hand_forward_and_backward():
+    slots = moe.expert_slots(ROUTING, 2)
+    tokens = torch.tensor([[1.0], [2.0], [3.0]], requires_grad=True)
+    rows = moe._Permute.apply(tokens, slots.token_of_row, slots.rows_of_token)
+    assert rows.tolist() == [[2.0], [1.0], [2.0], [3.0], [3.0], [1.0]]
+    scaled = rows * torch.tensor([[10.0], [20.0], [30.0], [40.0], [50.0], [60.0]])
+    out = moe._Combine.apply(scaled, slots.token_of_row, slots.rows_of_token)
+    assert out.tolist() == [[1 * 20 + 1 * 60], [2 * 10 + 2 * 30], [3 * 40 + 3 * 50]]
+    out.backward(torch.tensor([[1.0], [2.0], [3.0]]))
+    # d out_t / d token_t: the sum of its two rows' scales
+    assert tokens.grad.tolist() == [[20.0 + 60.0], [2 * (10.0 + 30.0)], [3 * (40.0 + 50.0)]]
+
+
+def test_the_combine_adds_in_fp32_and_rounds_once():
+    """1 + 2^-8 + 2^-8: in bf16 step by step 1 (each 2^-8 is half an ulp, rounded to even); in
+    fp32 then rounded once 1 + 2^-7."""
+    routing = torch.tensor([[1, 1, 1]], dtype=torch.bool)
+    slots = moe.expert_slots(routing, 3)
+    rows = torch.tensor([[1.0], [2.0**-8], [2.0**-8]], dtype=torch.bfloat16)
+    out = moe._Combine.apply(rows, slots.token_of_row, slots.rows_of_token)
+    assert out.dtype == torch.bfloat16 and out.item() == 1.0 + 2.0**-7
+    assert (rows[0] + rows[1] + rows[2]).item() == 1.0
+
+
+HIDDEN, EXPERTS, TOPK = 16, 4, 2
+
+
+def moe_config(**overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = dict(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=8,
+                  num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=8,
+                  use_cpu_initialization=True, add_bias_linear=False, gated_linear_unit=True,
+                  moe_aux_loss_coeff=0.0)
+    return TransformerConfig(**{**fields, **overrides})
+
+
+@pytest.fixture
+def moe_layer(cpu_training, cpu_dispatch):
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    def build(**overrides):
+        torch.manual_seed(0)
+        layer = moe.moe_mlp(ColumnParallelLinear, RowParallelLinear)(config=moe_config(**overrides))
+        return layer.half()  # fp16: the Triton interpreter mis-reads bf16 (test_bi_gemm.py)
+
+    return build
+
+
+def tied_tokens(count: int) -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(count, 1, HIDDEN).half()
+
+
+def with_tied_experts(layer):
+    """Experts 1, 2 and 3 get the same router weights: every token's three logits are equal."""
+    with torch.no_grad():
+        layer.router.weight[2:].copy_(layer.router.weight[1])
+    return layer
+
+
+def test_a_tokens_routing_is_the_same_alone_and_in_any_batch_with_ties(moe_layer):
+    layer = with_tied_experts(moe_layer())
+    tokens = tied_tokens(6)
+    with bi.batch_invariant(True):
+        alone = [layer.router(tokens[i : i + 1]) for i in range(6)]
+        for size in range(1, 7):
+            for order in itertools.islice(itertools.permutations(range(6), size), 20):
+                probs, routing = layer.router(tokens[list(order)])
+                for row, i in enumerate(order):
+                    assert torch.equal(routing[row], alone[i][1][0])
+                    assert torch.equal(probs[row], alone[i][0][0])
+    # the tie keeps the lowest experts: {0, 1} where expert 0 leads, else {1, 2} (torch.topk on
+    # the CPU keeps others, e.g. {2, 3} of four equal scores)
+    logits = (tokens[:, 0].float() @ layer.router.weight.float().T)
+    expected = [[0, 1] if logit[0] > logit[1] else [1, 2] for logit in logits]
+    assert [routing[0].nonzero().flatten().tolist() for _, routing in alone] == expected
+    assert [0, 1] in expected and [1, 2] in expected
+
+
+def test_routing_and_output_are_the_same_with_and_without_autograd(moe_layer):
+    """The trainer records autograd, the engine does not: torch.topk sorts only in the first."""
+    layer = with_tied_experts(moe_layer())
+    tokens = tied_tokens(6)
+    with bi.batch_invariant(True):
+        with torch.no_grad():
+            probs, routing = layer.router(tokens)
+            out, _ = layer(tokens)
+        probs_grad, routing_grad = layer.router(tokens)
+        out_grad, _ = layer(tokens)
+    assert torch.equal(routing, routing_grad) and torch.equal(probs, probs_grad.detach())
+    assert torch.equal(out, out_grad.detach())
+
+
+def test_a_tokens_layer_output_is_the_same_alone_and_in_a_batch(moe_layer):
+    layer = moe_layer(moe_shared_expert_intermediate_size=8)
+    tokens = tied_tokens(5)
+    with bi.batch_invariant(True), torch.no_grad():
+        batch, _ = layer(tokens)
+        for i in range(5):
+            alone, _ = layer(tokens[i : i + 1])
+            assert torch.equal(alone[0], batch[i])
+    with bi.batch_invariant(False), torch.no_grad():  # megatron-core's own path: the same math
+        default, _ = layer(tokens)
+    assert (default.float() - batch.float()).abs().max() < 2e-2
+
+
+def test_the_layers_gradients_flow_to_tokens_router_and_every_expert(moe_layer):
+    layer = moe_layer()
+    tokens = tied_tokens(8).requires_grad_(True)
+    with bi.batch_invariant(True):
+        out, _ = layer(tokens)
+        out.float().square().sum().backward()
+    assert tokens.grad.abs().sum() > 0 and layer.router.weight.grad.abs().sum() > 0
+    used = torch.zeros(EXPERTS, dtype=torch.bool)
+    with bi.batch_invariant(True), torch.no_grad():
+        used[layer.router(tokens)[1].any(dim=0)] = True
+    for e, expert in enumerate(layer.experts.local_experts):
+        assert (expert.linear_fc1.weight.grad is not None and expert.linear_fc1.weight.grad.abs().sum() > 0) == bool(used[e])
+
+
+MODEL_FLAGS = ["--hidden-size", "32", "--ffn-hidden-size", "48", "--num-attention-heads", "4",
+               "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--disable-bias-linear",
+               "--fp16", "--seq-length", "128", "--max-position-embeddings", "128", "--use-cpu-initialization",
+               "--transformer-impl", "local", "--flash-attention-version", "4", "--num-experts", "4",
+               "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff", "0.01"]
+MOE_MODELS = {  # (flags, MoE layers)
+    "dense-MoE": (["--num-layers", "3", "--moe-layer-freq", "[1,0,1]"], 2),
+    "hybrid GDN-MoE": (["--hybrid-layer-pattern", "GE*E", "--linear-num-key-heads", "2",
+                       "--linear-num-value-heads", "4", "--linear-key-head-dim", "8",
+                       "--linear-value-head-dim", "8", "--linear-conv-kernel-dim", "4"], 2),
+}
+
+
+@pytest.mark.parametrize("flags, moe_layers", MOE_MODELS.values(), ids=list(MOE_MODELS))
+def test_a_moe_models_packed_hidden_states_are_those_of_its_sequences_alone(cpu_forward, cpu_dispatch,
+                                                                            flags, moe_layers):
+    """The model pretrain_rl builds from --num-experts: MoE layers where asked, and in BI mode
+    every decoder layer's output for a packed batch equals each sequence's alone. (Layers, not
+    logits: on the CPU the fp32 output layer is torch's CPU GEMM, not a BI kernel.)"""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_rl_bi.config import parse_rl_args
+    from megatron_rl_bi.models.build import build_model
+    from megatron_rl_bi.packing import pack_sequences
+
+    args = parse_rl_args(MODEL_FLAGS + flags)
+    with bi.batch_invariant(True):
+        torch.manual_seed(0)
+        model_parallel_cuda_manual_seed(0)  # GDN's initialization draws from the tracker's state
+        model = build_model(args, 40)
+        layers = [m for m in model.modules() if isinstance(m, moe.BatchInvariantMoELayer)]
+        assert len(layers) == moe_layers and not any(type(m) is MoELayer for m in model.modules())
+        outputs = []
+        decoder_layers = model.module.decoder.layers
+        for layer in decoder_layers:
+            layer.register_forward_hook(lambda m, a, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+
+        def hidden_states(sequences):
+            outputs.clear()
+            batch = pack_sequences(sequences)
+            with torch.no_grad():
+                model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=None,
+                      packed_seq_params=batch.packed_seq_params())
+            return list(outputs)
+
+        sequences = [[(7 * i + 3 * n) % 37 + 1 for i in range(n)] for n in (5, 11, 3, 8)]
+        packed = hidden_states(sequences)
+        alone = [hidden_states([s]) for s in sequences]
+    assert len(packed) == len(decoder_layers)
+    for index, layer_output in enumerate(packed):
+        assert torch.equal(layer_output, torch.cat([a[index] for a in alone])), index
