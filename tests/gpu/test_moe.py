@@ -1,0 +1,115 @@
+"""Mixture-of-experts models (models/moe.py) on the GPU, dense-MoE and hybrid GDN-MoE. BI mode:
+a MoE layer's rows get the same bits alone and in any batch, its backward repeats its bits, and
+engine logprobs == trainer logprobs before and after an optimizer step. Default mode (megatron-core's
+own top-k and scatter-add combine): the harness sees a mismatch."""
+
+import pytest
+import torch
+
+from megatron_rl_bi import bi
+from megatron_rl_bi.inference import EngineConfig, Generator, Sampling
+from megatron_rl_bi.models.moe import BatchInvariantMoELayer
+from megatron_rl_bi.packing import pack_sequences
+from megatron_rl_bi.parity.harness import random_requests, run_parity
+
+from .conftest import COMMON_ARGS, VOCAB_SIZE, build
+
+pytestmark = pytest.mark.gpu
+
+MOE_ARGS = ["--num-experts", "16", "--moe-router-topk", "4", "--moe-ffn-hidden-size", "512",
+            "--moe-shared-expert-intermediate-size", "512", "--moe-aux-loss-coeff", "0.01",
+            "--moe-router-dtype", "fp32", "--hidden-size", "1024", "--ffn-hidden-size", "2816",
+            "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2"]
+MODELS = {
+    "dense-MoE": ["--num-layers", "4", *MOE_ARGS, *COMMON_ARGS],
+    "hybrid GDN-MoE": ["--hybrid-layer-pattern", "GEGE*E", "--linear-num-key-heads", "4",
+                       "--linear-num-value-heads", "8", "--linear-key-head-dim", "64",
+                       "--linear-value-head-dim", "64", "--linear-conv-kernel-dim", "4",
+                       *MOE_ARGS, *COMMON_ARGS],
+}
+ENGINE = EngineConfig(max_requests=64, max_tokens=8192, max_sequence_length=1024,
+                      buffer_size_gb=4.0, prompt_logprobs=True)
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request, distributed):
+    yield request.param, build(MODELS[request.param], batch_invariant=True, seed=0)
+    bi.disable()
+
+
+def _first_moe(model):
+    return next(m for m in model.modules() if isinstance(m, BatchInvariantMoELayer))
+
+
+def test_a_moe_layers_rows_are_the_same_alone_and_in_any_batch(model):
+    _, model = model
+    layer = _first_moe(model)
+    torch.manual_seed(0)
+    tokens = torch.randn(300, 1, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        full, _ = layer(tokens)
+        for sizes in ((1,) * 8 + (292,), (7, 1, 44, 248), (150, 150), (299, 1)):
+            parts = torch.split(tokens, list(sizes))
+            assert torch.equal(torch.cat([layer(p)[0] for p in parts]), full), sizes
+        permutation = torch.randperm(300, device="cuda")
+        assert torch.equal(layer(tokens[permutation])[0], full[permutation])
+
+
+def test_a_moe_layers_backward_repeats_its_bits(model):
+    """megatron-core's permutation backward adds a token's k row gradients with atomics."""
+    _, model = model
+    layer = _first_moe(model)
+    torch.manual_seed(1)
+    tokens = torch.randn(4096, 1, 1024, device="cuda", dtype=torch.bfloat16)
+    grads = []
+    for _ in range(3):
+        x = tokens.clone().requires_grad_(True)
+        out, _ = layer(x)
+        out.float().square().sum().backward()
+        grads.append((x.grad.clone(), layer.router.weight.grad.clone()))
+        layer.zero_grad(set_to_none=True)
+    for x_grad, router_grad in grads[1:]:
+        assert torch.equal(x_grad, grads[0][0]) and torch.equal(router_grad, grads[0][1])
+
+
+def _packed_logits(model, sequences):
+    batch = pack_sequences(sequences).to("cuda")
+    return model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=None,
+                 packed_seq_params=batch.packed_seq_params())[0]
+
+
+def _assert_bitwise(result):
+    metrics = result["all_reported"]
+    assert metrics["bit_wise/tokens"] >= 5000
+    assert result["completion_only"]["bit_wise/tokens"] >= 2 * 256
+    assert metrics["bit_wise/logprob_diff/max"] == 0.0, metrics
+    assert metrics["bit_wise/ratio_tokens_different"] == 0.0, metrics
+
+
+def test_engine_matches_trainer_bitwise_before_and_after_a_step(model):
+    _, model = model
+    generator = Generator(model, ENGINE)
+    prompts, budgets = random_requests(32, (1, 500), (1, 256), VOCAB_SIZE, seed=11)
+    sampling = Sampling(temperature=1.0, seed=11)
+    _assert_bitwise(run_parity(model, generator, prompts, budgets, sampling,
+                               micro_batch_tokens=6000, orders=2))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.train()
+    torch.manual_seed(2)
+    _packed_logits(model, [torch.randint(0, VOCAB_SIZE, (n,)).tolist() for n in (100, 37)]).float().logsumexp(-1).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=1e-2).step()
+    model.zero_grad(set_to_none=True)
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    _assert_bitwise(run_parity(model, generator, prompts, budgets, sampling,
+                               micro_batch_tokens=6000, orders=1))
+
+
+def test_default_mode_sees_a_mismatch(model):
+    name, bi_model = model
+    with bi.batch_invariant(False):  # restored after: later tests use the BI model
+        default = build(MODELS[name], batch_invariant=False, seed=0)
+        default.load_state_dict(bi_model.state_dict())
+        prompts, budgets = random_requests(32, (1, 500), (1, 256), VOCAB_SIZE, seed=11)
+        result = run_parity(default, Generator(default, ENGINE), prompts, budgets,
+                            Sampling(temperature=1.0, seed=11), micro_batch_tokens=6000, orders=1)
+    assert result["all_reported"]["bit_wise/logprob_diff/abs_mean"] > 0
