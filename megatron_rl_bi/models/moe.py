@@ -23,7 +23,8 @@ import torch
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_default_pg_collection
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
@@ -156,6 +157,28 @@ class BatchInvariantMoELayer(MoELayer):
             self.num_local_experts, self.local_expert_indices, config=self.config,
             pg_collection=pg_collection,
         )
+
+
+def scale_router_losses(global_tokens: float) -> None:
+    """Scales the MoE layers' load-balancing and z-loss gradients for an optimizer step over
+    `global_tokens` tokens (every rank's, every micro-batch's). Under --calculate-per-token-loss
+    megatron-core multiplies each micro-batch's router losses by its token count and leaves the
+    division to finalize_model_grads, which divides every gradient by the step's token count.
+    Here the RL and SFT losses are normalized already and gradients are not divided, so the
+    router losses take that division alone: a token-weighted mean over the micro-batches."""
+    MoEAuxLossAutoScaler.set_loss_scale(
+        torch.tensor(1.0 / max(global_tokens, 1.0), device=torch.cuda.current_device()))
+
+
+def router_loss_sums() -> dict[str, float]:
+    """The router losses megatron-core's tracker summed since the last call (each micro-batch's
+    forward adds its own), averaged over the MoE layers, as moe/<name> (load_balancing_loss,
+    z_loss, ... without their coefficients); the tracker is cleared."""
+    tracker = get_moe_metrics_tracker()
+    sums = {f"moe/{name}": float(entry.values[entry.values != 0].mean())
+            for name, entry in tracker.metrics.items() if entry.values.any()}
+    tracker.clear()
+    return sums
 
 
 def moe_mlp(linear_fc1: type, linear_fc2: type):

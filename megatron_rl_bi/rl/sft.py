@@ -13,6 +13,7 @@ from megatron_rl_bi.distributed import MetricTerms, all_reduce_metrics
 from megatron_rl_bi.envs import Example
 from megatron_rl_bi.inference import Generation
 from megatron_rl_bi.models.logprobs import forward_logprobs
+from megatron_rl_bi.models.moe import router_loss_sums, scale_router_losses
 from megatron_rl_bi.packing import pack_completions
 
 
@@ -34,14 +35,16 @@ def sft_step(ddp, optimizer, examples: list[Example], tokenizer) -> float:
     batch = pack_completions([demonstration(e, tokenizer) for e in examples]).batch
     batch = batch.to(torch.cuda.current_device())
     answer_mask = batch.completion
-    tokens = torch.tensor([float(answer_mask.sum())], device=answer_mask.device)
+    tokens = torch.tensor([float(answer_mask.sum()), float(answer_mask.numel())], device=answer_mask.device)
     torch.distributed.all_reduce(tokens)
+    scale_router_losses(tokens[1].item())
     ddp.train()
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     logprobs, _ = forward_logprobs(ddp, batch)
-    loss = -torch.where(answer_mask, logprobs, torch.zeros_like(logprobs)).sum() / tokens
+    loss = -torch.where(answer_mask, logprobs, torch.zeros_like(logprobs)).sum() / tokens[0]
     loss.backward()
+    router_loss_sums()  # a MoE model's router losses of the warm-up: not reported
     ddp.finish_grad_sync()
     optimizer.step()
     return all_reduce_metrics(MetricTerms(sums={"nll": loss.item()}))["nll"]

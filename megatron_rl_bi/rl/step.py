@@ -12,10 +12,10 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import torch
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_rl_bi.distributed import MetricTerms, all_reduce_metrics
 from megatron_rl_bi.models.logprobs import forward_logprobs
+from megatron_rl_bi.models.moe import router_loss_sums, scale_router_losses
 from megatron_rl_bi.packing import (
     PackedCompletions,
     micro_batches,
@@ -110,10 +110,10 @@ def _versioned_terms(ddp, rollouts: list[Rollout], kept: KeptWeights, weight_ver
 
 
 def _global_counts(minibatches: list[list[Rollout]], micro_batch_tokens: int) -> torch.Tensor:
-    """[updates, 3]: sampled completion tokens, completions and micro-batches of each mini-batch
-    over all ranks."""
+    """[updates, 4]: sampled completion tokens, completions, packed tokens and micro-batches of
+    each mini-batch over all ranks."""
     counts = torch.tensor(
-        [[sum(r.generation.sampled_tokens for r in mb), len(mb),
+        [[sum(r.generation.sampled_tokens for r in mb), len(mb), sum(len(r.tokens) for r in mb),
           len(micro_batches(mb, micro_batch_tokens))] for mb in minibatches],
         dtype=torch.float64, device=torch.cuda.current_device(),
     )
@@ -199,14 +199,15 @@ def train_on_rollouts(
             continue
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        # MoE layers' load-balancing and z-losses: their mean over the update's micro-batches
-        MoEAuxLossAutoScaler.set_loss_scale(1.0 / counts[update, 2].float())
+        scale_router_losses(counts[update, 2].item())
         for micro in micro_batches(minibatch, config.micro_batch_tokens):
             metrics = _micro_batch_loss(ddp, micro, counts[update], old, compared, config,
                                         ref_model, no_tis)
             for name, value in metrics.items():  # shares of global means: they add up
                 loss_terms.sums[name] = loss_terms.sums.get(name, 0.0) + value.item() / num_updates
             loss_terms.sums["micro_batches"] = loss_terms.sums.get("micro_batches", 0) + 1  # over ranks
+        for name, value in router_loss_sums().items():  # MoE: a mean over the micro-batches
+            loss_terms.sums[name] = loss_terms.sums.get(name, 0.0) + value / counts[update, 3].item() / num_updates
         ddp.finish_grad_sync()
         lr = optimizer.param_groups[0]["lr"]
         _, norm, _ = optimizer.step()

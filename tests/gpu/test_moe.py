@@ -33,8 +33,11 @@ ENGINE = EngineConfig(max_requests=64, max_tokens=8192, max_sequence_length=1024
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def model(request, distributed):
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
     yield request.param, build(MODELS[request.param], batch_invariant=True, seed=0)
     bi.disable()
+    destroy_moe_metrics_tracker()  # its entries are sized by the first model's layer count
 
 
 def _first_moe(model):

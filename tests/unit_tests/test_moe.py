@@ -215,3 +215,28 @@ def test_a_moe_models_packed_hidden_states_are_those_of_its_sequences_alone(cpu_
     assert len(packed) == len(decoder_layers)
     for index, layer_output in enumerate(packed):
         assert torch.equal(layer_output, torch.cat([a[index] for a in alone])), index
+
+
+def test_router_losses_scaled_to_the_steps_tokens_equal_megatrons_unscaled_mean(moe_layer):
+    """Under --calculate-per-token-loss megatron-core multiplies a micro-batch's load-balancing
+    loss by its T tokens and leaves the division to finalize_model_grads, which this package's
+    steps do not call: scale_router_losses(T) restores the loss megatron-core attaches without
+    per-token losses (the router gradient equal within fp32 rounding of the two products)."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    tokens = tied_tokens(12).float()
+    grads = {}
+    for per_token in (False, True):
+        layer = moe_layer(moe_aux_loss_coeff=1.0, calculate_per_token_loss=per_token).float()
+        layer.set_layer_number(1)  # what a decoder block sets; the tracker records by layer
+        moe.scale_router_losses(12 if per_token else 1)
+        out, _ = layer(tokens)
+        (out * 0).sum().backward()  # only the attached load-balancing loss has a gradient
+        grads[per_token] = layer.router.weight.grad.clone()
+        assert moe.router_loss_sums()["moe/load_balancing_loss"] > 0
+        assert moe.router_loss_sums() == {}  # read once, then cleared
+        destroy_moe_metrics_tracker()
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    assert grads[False].abs().sum() > 0
+    torch.testing.assert_close(grads[True], grads[False], rtol=1e-5, atol=1e-7)
