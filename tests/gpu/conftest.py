@@ -54,3 +54,13 @@ def build(model_args: list[str], batch_invariant: bool, extra: list[str] = (), s
 
 def build_dense(batch_invariant: bool, extra: list[str] = ()):
     return build(TINY_DENSE_ARGS, batch_invariant, extra)
+
+
+def assert_bitwise(result: dict) -> None:
+    """A run_parity result over enough tokens (5,000 reported, 2 x 256 of completions) with
+    engine and trainer logprobs equal at every one."""
+    metrics = result["all_reported"]
+    assert metrics["bit_wise/tokens"] >= 5000
+    assert result["completion_only"]["bit_wise/tokens"] >= 2 * 256
+    assert metrics["bit_wise/logprob_diff/max"] == 0.0, metrics
+    assert metrics["bit_wise/ratio_tokens_different"] == 0.0, metrics

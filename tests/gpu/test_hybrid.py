@@ -11,7 +11,7 @@ from megatron_rl_bi.inference import EngineConfig, Generator, Sampling
 from megatron_rl_bi.packing import pack_sequences
 from megatron_rl_bi.parity.harness import random_requests, run_parity
 
-from .conftest import TINY_HYBRID_ARGS, VOCAB_SIZE, build
+from .conftest import TINY_HYBRID_ARGS, VOCAB_SIZE, assert_bitwise, build
 
 pytestmark = pytest.mark.gpu
 
@@ -83,26 +83,18 @@ def test_backward_runs(hybrid):
     _check_backward(hybrid)
 
 
-def _assert_bitwise(result):
-    metrics = result["all_reported"]
-    assert metrics["bit_wise/tokens"] >= 5000
-    assert result["completion_only"]["bit_wise/tokens"] >= 2 * 256
-    assert metrics["bit_wise/logprob_diff/max"] == 0.0, metrics
-    assert metrics["bit_wise/ratio_tokens_different"] == 0.0, metrics
-
-
 def test_engine_matches_trainer_bitwise_before_and_after_a_step(hybrid):
     """The same Generator (same module) before and after an optimizer step on the weights."""
     generator = Generator(hybrid, ENGINE)
     prompts, budgets = random_requests(32, (1, 500), (1, 256), VOCAB_SIZE, seed=11)
     sampling = Sampling(temperature=1.0, seed=11)
-    _assert_bitwise(run_parity(hybrid, generator, prompts, budgets, sampling,
+    assert_bitwise(run_parity(hybrid, generator, prompts, budgets, sampling,
                                micro_batch_tokens=6000, orders=2))
     before = {n: p.detach().clone() for n, p in hybrid.named_parameters()}
     _check_backward(hybrid)
     torch.optim.SGD(hybrid.parameters(), lr=1e-2).step()
     assert any(not torch.equal(before[n], p) for n, p in hybrid.named_parameters())
-    _assert_bitwise(run_parity(hybrid, generator, prompts, budgets, sampling,
+    assert_bitwise(run_parity(hybrid, generator, prompts, budgets, sampling,
                                micro_batch_tokens=6000, orders=1))
 
 
