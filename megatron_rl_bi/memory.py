@@ -28,8 +28,9 @@ class ModelShape:
     """What memory depends on (config.from_args.model_shape_from_args reads it from the flags)."""
 
     layers: tuple[str, ...]
-    """Megatron's layers in order, each as megatron-core's symbols: '*' attention, 'G' GDN, '-' MLP
-    (a dense GPT layer is '*-'; a hybrid pattern's symbols are a layer each)."""
+    """Megatron's layers in order, each as megatron-core's symbols: '*' attention, 'G' GDN, '-' MLP,
+    'E' mixture of experts (a dense GPT layer is '*-', or '*E'; a hybrid pattern's symbols are a
+    layer each)."""
     hidden: int
     ffn: int
     heads: int
@@ -50,6 +51,15 @@ class ModelShape:
     param_bytes: int = 2
     rotary_dim: int = 0
     """Channels of a head that RoPE rotates (--rotary-percent of the head dim); 0 without RoPE."""
+    experts: int = 0
+    topk: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    """A MoE layer's routed experts, experts a token, an expert's and the shared expert's widths."""
+    router_bytes: int = 2
+    """The router's logits and probabilities: 4 with --moe-router-dtype fp32, else the params'."""
+    load_balancing_loss: bool = False
+    z_loss: bool = False
 
     def count(self, symbol: str) -> int:
         return sum(layer.count(symbol) for layer in self.layers)
@@ -73,11 +83,19 @@ def _linear(fan_in: int, fan_out: int, bias: bool) -> int:
     return fan_in * fan_out + (fan_out if bias else 0)
 
 
+def _mlp_parameters(shape: ModelShape, ffn: int) -> int:
+    h, b = shape.hidden, shape.bias
+    return _linear(h, ffn * (2 if shape.swiglu else 1), b) + _linear(ffn, h, b) if ffn else 0
+
+
 def layer_parameters(shape: ModelShape, symbol: str) -> int:
     """Parameters of one layer of kind `symbol`, its input norm included."""
     h, b = shape.hidden, shape.bias
     if symbol == "-":
-        return h + _linear(h, shape.ffn * (2 if shape.swiglu else 1), b) + _linear(shape.ffn, h, b)
+        return h + _mlp_parameters(shape, shape.ffn)
+    if symbol == "E":  # norm, router, routed experts, shared expert
+        return (h + _linear(h, shape.experts, b) + shape.experts * _mlp_parameters(shape, shape.expert_ffn)
+                + _mlp_parameters(shape, shape.shared_ffn))
     if symbol == "*":
         q_out = shape.q_dim * (2 if shape.output_gate else 1)
         norms = 2 * shape.head_dim if shape.qk_norm else 0
@@ -88,7 +106,7 @@ def layer_parameters(shape: ModelShape, symbol: str) -> int:
         conv = (2 * keys + values) * shape.gdn_conv_kernel
         return (h + _linear(h, projected, b) + conv + 2 * value_heads + shape.gdn_value_dim
                 + _linear(values, h, b))
-    raise ValueError(f"layer symbol {symbol!r}: expected '*', 'G' or '-'")
+    raise ValueError(f"layer symbol {symbol!r}: expected '*', 'G', '-' or 'E'")
 
 
 def parameter_count(shape: ModelShape) -> int:
@@ -105,11 +123,9 @@ def activation_bytes_per_token(shape: ModelShape, symbol: str) -> int:
     h, e = shape.hidden, shape.param_bytes
     norm = h * e + 4  # the norm's input and its fp32 1/rms
     if symbol == "-":
-        up = shape.ffn * (2 if shape.swiglu else 1)
-        # silu(gate) and the product; megatron-core's GLU adds its linear offset to the linear half
-        # (x + glu_linear_offset, a new tensor) before the product saves it
-        act = 3 * shape.ffn if shape.swiglu else shape.ffn
-        return norm + (h + up + act) * e  # fc1 input, fc1 output, activation outputs
+        return norm + (h + _mlp_bytes(shape, shape.ffn)) * e  # + fc1's input
+    if symbol == "E":
+        return norm + _moe_bytes_per_token(shape)
     if symbol == "*":
         return norm + _attention_bytes_per_token(shape)
     keys, values, value_heads = shape.gdn_dims
@@ -118,6 +134,29 @@ def activation_bytes_per_token(shape: ModelShape, symbol: str) -> int:
     bf16 = h + projected + q_and_k + values + value_heads + 3 * values  # + core, norm out, proj in
     fp32 = 3 * value_heads + 2 * values + value_heads  # g and softplus, gate and silu, 1/rms
     return norm + bf16 * e + fp32 * 4
+
+
+def _mlp_bytes(shape: ModelShape, ffn: int) -> int:
+    """An MLP's fc1 output and activation outputs, in elements a row: silu(gate) and the product;
+    megatron-core's GLU adds its linear offset to the linear half (x + glu_linear_offset, a new
+    tensor) before the product saves it."""
+    return ffn * (2 if shape.swiglu else 1) + (3 * ffn if shape.swiglu else ffn)
+
+
+def _moe_bytes_per_token(shape: ModelShape) -> int:
+    """A MoE layer after its norm (models.moe in BI mode): the normed input (router's, shared
+    expert's), each of the token's k expert rows (its copy of the input, an MLP's tensors, and
+    the activation scaled by the router's probability, fc2's input), the shared expert's MLP; and
+    the routing: the stable top-k's sort indices [E], the expert-major argsort [E] and the row
+    maps [2k] in int64, the top-k's softmax [k] in fp32, the rows' probabilities [k], the
+    load-balancing loss's fp32 softmax [E] (its own top-k's indices are freed in the forward),
+    the z-loss's logits [E] and log-sum-exp."""
+    e, k, experts, rb = shape.param_bytes, shape.topk, shape.experts, shape.router_bytes
+    rows = k * (shape.hidden + _mlp_bytes(shape, shape.expert_ffn) + shape.expert_ffn) * e
+    shared = _mlp_bytes(shape, shape.shared_ffn) * e if shape.shared_ffn else 0
+    routing = (2 * experts + 2 * k) * 8 + k * 4 + k * rb
+    losses = (experts * 4 if shape.load_balancing_loss else 0) + ((experts + 1) * rb if shape.z_loss else 0)
+    return shape.hidden * e + rows + shared + routing + losses
 
 
 def _attention_bytes_per_token(shape: ModelShape) -> int:

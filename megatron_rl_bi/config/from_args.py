@@ -10,6 +10,7 @@ from megatron_rl_bi.envs.environment import build_environment
 from megatron_rl_bi.envs.sandbox import SandboxConfig, base_interpreter
 from megatron_rl_bi.inference import EngineConfig, Sampling
 from megatron_rl_bi.memory import EngineShape, GIB, Levers, ModelShape, Recompute, RunShape
+from megatron_rl_bi.models.gpt_spec import moe_layers
 from megatron_rl_bi.reporting.profiling import ProfileConfig
 from megatron_rl_bi.rl.loop import LoopConfig
 from megatron_rl_bi.rl.conversations import TurnConfig
@@ -133,7 +134,10 @@ def _profile_from_args(args: argparse.Namespace) -> ProfileConfig | None:
 
 def model_shape_from_args(args: argparse.Namespace, vocab_size: int) -> ModelShape:
     """The model's shape for the memory plan; `vocab_size` before Megatron's padding."""
-    layers = tuple(args.hybrid_layer_pattern) if args.hybrid_layer_pattern else ("*-",) * args.num_layers
+    if args.hybrid_layer_pattern:
+        layers = tuple(args.hybrid_layer_pattern)
+    else:
+        layers = tuple("*E" if moe else "*-" for moe in moe_layers(args.num_layers, args.num_experts, args.moe_layer_freq))
     return ModelShape(
         layers=layers, hidden=args.hidden_size, ffn=args.ffn_hidden_size, heads=args.num_attention_heads,
         kv_heads=args.num_query_groups if args.group_query_attention else args.num_attention_heads,
@@ -146,7 +150,22 @@ def model_shape_from_args(args: argparse.Namespace, vocab_size: int) -> ModelSha
         gdn_conv_kernel=args.linear_conv_kernel_dim or 0, param_bytes=2 if args.bf16 or args.fp16 else 4,
         rotary_dim=(int(args.kv_channels * args.rotary_percent)
                     if args.position_embedding_type in ("rope", "mrope") else 0),
+        experts=args.num_experts or 0, topk=args.moe_router_topk if args.num_experts else 0,
+        expert_ffn=(args.moe_ffn_hidden_size or args.ffn_hidden_size) if args.num_experts else 0,
+        shared_ffn=args.moe_shared_expert_intermediate_size or 0,
+        router_bytes=4 if args.moe_router_dtype == "fp32" else 2 if args.bf16 or args.fp16 else 4,
+        load_balancing_loss=bool(args.num_experts) and _load_balancing_loss(args),
+        z_loss=bool(args.num_experts and args.moe_z_loss_coeff),
     )
+
+
+def _load_balancing_loss(args: argparse.Namespace) -> bool:
+    """megatron-core's TopKRouter.is_aux_loss_enabled: an aux_loss type with a coefficient > 0."""
+    types = args.moe_router_load_balancing_type
+    coeffs = args.moe_aux_loss_coeff
+    types, coeffs = (types if isinstance(types, list) else [types]), (coeffs if isinstance(coeffs, list) else [coeffs])
+    return any(t in ("aux_loss", "seq_aux_loss", "global_aux_loss") and c > 0
+               for t, c in zip(types, coeffs * len(types) if len(coeffs) == 1 else coeffs))
 
 
 def engine_shape(config: EngineConfig) -> EngineShape:

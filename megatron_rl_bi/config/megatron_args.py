@@ -145,6 +145,9 @@ def moe_errors(args: argparse.Namespace, batch_invariant: bool) -> list[str]:
         if on:
             errors.append(f"{flag}: not supported with --num-experts here (the experts run as "
                           "SequentialMLP, one GEMM an expert; the engine runs MoE models eagerly)")
+    if args.moe_shared_expert_intermediate_size and args.add_bias_linear:
+        errors.append("--moe-shared-expert-intermediate-size with biases: megatron-core's shared expert "
+                      "has none; pass --disable-bias-linear")
     if args.cuda_graph_impl != "none":
         errors.append(f"--cuda-graph-impl {args.cuda_graph_impl} with --num-experts: the engine runs "
                       "MoE models eagerly (the dispatcher splits tokens on the host); leave it none")

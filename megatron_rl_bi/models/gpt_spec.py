@@ -80,17 +80,16 @@ def dense_gpt_layer_spec(transformer_impl: str, qk_layernorm: bool = False,
     return dataclasses.replace(spec, submodules=layer)
 
 
-def moe_layers(config: TransformerConfig) -> list[bool]:
+def moe_layers(num_layers: int, num_experts: int | None, moe_layer_freq: int | list[int]) -> list[bool]:
     """Which layers are MoE layers: none without --num-experts, else --moe-layer-freq's (N: every
     Nth layer from the first; a list: 1 for MoE, 0 for dense, one entry a layer)."""
-    if not config.num_moe_experts:
-        return [False] * config.num_layers
-    freq = config.moe_layer_freq
-    if isinstance(freq, int):
-        return [i % freq == 0 for i in range(config.num_layers)]
-    if len(freq) != config.num_layers or set(freq) - {0, 1}:
-        raise ValueError(f"--moe-layer-freq {freq}: expected {config.num_layers} entries of 0 or 1")
-    return [bool(f) for f in freq]
+    if not num_experts:
+        return [False] * num_layers
+    if isinstance(moe_layer_freq, int):
+        return [i % moe_layer_freq == 0 for i in range(num_layers)]
+    if len(moe_layer_freq) != num_layers or set(moe_layer_freq) - {0, 1}:
+        raise ValueError(f"--moe-layer-freq {moe_layer_freq}: expected {num_layers} entries of 0 or 1")
+    return [bool(f) for f in moe_layer_freq]
 
 
 def dense_gpt_block_spec(
@@ -99,7 +98,7 @@ def dense_gpt_block_spec(
     """All `config.num_layers` layers plus the final norm, which megatron-core would otherwise
     default to its own (unpatched, non-TE) torch norm."""
     layers = [dense_gpt_layer_spec(transformer_impl, qk_layernorm, moe)
-              for moe in moe_layers(config)]
+              for moe in moe_layers(config.num_layers, config.num_moe_experts, config.moe_layer_freq)]
     if transformer_impl == "transformer_engine":
         from megatron.core.extensions.transformer_engine import TENorm
 

@@ -236,3 +236,41 @@ def test_a_ci_machine_without_flash_attention_names_both_generations():
         assert "FlashAttention-4" in str(error) and "FlashAttention-3" in str(error)
     else:
         assert args.flash_attention_version in (3, 4)  # a machine with one installed picks it
+
+
+MOE = ("--num-experts", "4", "--moe-router-topk", "2")
+
+
+@pytest.mark.parametrize("flags, error", [
+    (("--expert-model-parallel-size", "2"), "--expert-model-parallel-size 2: MoE runs with expert parallelism 1"),
+    (("--expert-tensor-parallel-size", "2"), "--expert-tensor-parallel-size 2: MoE runs with expert parallelism 1"),
+    (("--moe-token-dispatcher-type", "alltoall"), "--moe-token-dispatcher-type alltoall: at expert parallelism 1"),
+    (("--moe-grouped-gemm",), "--moe-grouped-gemm: not supported with --num-experts"),
+    (("--moe-permute-fusion",), "--moe-permute-fusion: not supported"),
+    (("--moe-router-fusion",), "--moe-router-fusion: not supported"),
+    (("--moe-pad-experts-for-cuda-graph-inference",), "--moe-pad-experts-for-cuda-graph-inference: not supported"),
+    (("--cuda-graph-impl", "local", "--inference-cuda-graph-scope", "block"),
+     "--cuda-graph-impl local with --num-experts: the engine runs MoE models eagerly"),
+    (("--moe-shared-expert-intermediate-size", "8"), "--moe-shared-expert-intermediate-size with biases"),
+])
+def test_a_moe_run_that_cannot_work_is_refused_naming_the_flag(flags, error):
+    assert error in errors_for(*MOE, *flags)
+
+
+@pytest.mark.parametrize("flags, error", [
+    (("--moe-expert-capacity-factor", "1.0"), "--moe-expert-capacity-factor with --batch-invariant-mode"),
+    (("--moe-router-load-balancing-type", "sinkhorn"), "--moe-router-load-balancing-type sinkhorn with --batch-invariant-mode"),
+    (("--moe-input-jitter-eps", "0.01"), "--moe-input-jitter-eps with --batch-invariant-mode"),
+    (("--moe-router-force-load-balancing",), "--moe-router-force-load-balancing with --batch-invariant-mode"),
+])
+def test_what_makes_routing_depend_on_the_batch_is_refused_in_bi_mode_only(flags, error):
+    bi_flags = ("--batch-invariant-mode", "--flash-attention-version", "4")
+    assert error in errors_for(*MOE, *bi_flags, *flags)
+    parse_args(MODEL + [*MOE, *flags])  # default mode takes them
+
+
+def test_a_plain_moe_run_is_accepted_in_both_modes():
+    from megatron_rl_bi.config.megatron_args import moe_errors
+
+    args = parse_args(MODEL + [*MOE, "--moe-shared-expert-intermediate-size", "8", "--disable-bias-linear"])
+    assert moe_errors(args, batch_invariant=True) == moe_errors(args, batch_invariant=False) == []

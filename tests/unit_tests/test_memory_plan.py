@@ -44,6 +44,16 @@ BUILT = {
         "--swiglu", "--disable-bias-linear", "--qk-layernorm", "--attention-output-gate",
         "--linear-num-key-heads", "2", "--linear-num-value-heads", "4", "--linear-key-head-dim", "8",
         "--linear-value-head-dim", "8", "--linear-conv-kernel-dim", "4"],
+    "dense-MoE, one layer in two, biases": [
+        "--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "48", "--num-attention-heads", "4",
+        "--swiglu", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24",
+        "--moe-layer-freq", "[1,0]"],
+    "hybrid GDN-MoE, top 1": [
+        "--hybrid-layer-pattern", "GE*E", "--hidden-size", "32", "--ffn-hidden-size", "48", "--disable-bias-linear",
+        "--num-attention-heads", "4", "--kv-channels", "8", "--num-experts", "3", "--moe-router-topk", "1",
+        "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size", "16",
+        "--linear-num-key-heads", "2", "--linear-num-value-heads", "4", "--linear-key-head-dim", "8",
+        "--linear-value-head-dim", "8", "--linear-conv-kernel-dim", "4"],
 }
 
 
@@ -72,6 +82,24 @@ def test_parameters_by_hand():
     # GDN: norm 4 + in_proj 4*(2*2 + 2*4 + 2*2) = 64 + conv (2*2 + 4)*4 = 32 + A_log and dt_bias 2*2
     # + out norm 2 + out_proj 4*4 = 16 -> 122; MLP 100; embedding 64; final norm 4.
     assert parameter_count(HYBRID) == 64 + 122 + 100 + 4 == 290
+    # MoE: norm 4 + router 4*3 + 3 experts of fc1 4*(2*2) + fc2 2*4 = 24 each + a shared expert of
+    # width 8 like the MLP's (96) -> 4 + 12 + 72 + 96 = 184
+    moe = dataclasses.replace(DENSE, layers=("*E",), experts=3, topk=2, expert_ffn=2, shared_ffn=8)
+    assert parameter_count(moe) == 64 + 52 + 184 + 4 == 304
+
+
+def test_moe_activations_by_hand():
+    # per token, bf16, after the norm (12): the normed input 4 * 2 = 8; each of k = 2 rows: its
+    # input 4, fc1 output 2*2, silu, linear half + offset and product 3*2, the scaled product fc2
+    # takes 2 -> 16 * 2 = 32 a row, 64; routing: sort indices and argsort 2*3 and the row maps 2*2,
+    # int64 (10 * 8 = 80), the top-k's fp32 softmax 2*4 = 8, the rows' probabilities 2*2 = 4
+    moe = dataclasses.replace(DENSE, layers=("*E",), experts=3, topk=2, expert_ffn=2)
+    assert memory.activation_bytes_per_token(moe, "E") == 12 + 8 + 64 + 80 + 8 + 4 == 176
+    # + a shared expert of width 8: fc1 output 16 and activations 24 -> 80; fp32 router: the rows'
+    # probabilities 2*4; the load-balancing loss's fp32 softmax 3*4; the z-loss's fp32 logits 3*4
+    # and log-sum-exp 4
+    moe = dataclasses.replace(moe, shared_ffn=8, router_bytes=4, load_balancing_loss=True, z_loss=True)
+    assert memory.activation_bytes_per_token(moe, "E") == 176 + 80 + 4 + 12 + 16
 
 
 def test_activations_by_hand():

@@ -1,12 +1,13 @@
 """The planner's activations per token (memory.activation_bytes_per_token) against what
 megatron-core's layers save for their backward, counted on CPU in BI mode (the kernels' Python
 is the GPU's, run by the Triton interpreter): every tensor autograd saves during the trainer's
-forward, once per storage, parameters left out, summed per layer. Per token exactly: two
+forward and keeps for the backward, once per storage, parameters left out, summed per layer. Per token exactly: two
 micro-batches of the same three sequences at different lengths, so what is saved per sequence
 (GDN initial states, convolution windows) cancels. Attention runs a FlashAttention stand-in that
 saves what FlashAttention's varlen function saves (q, k, v, output, fp32 log-sum-exp)."""
 
 import collections
+import weakref
 
 import pytest
 import torch
@@ -32,6 +33,15 @@ MODELS = {
     "hybrid": ["--hybrid-layer-pattern", "G-*-", "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
                "--linear-key-head-dim", "8", "--linear-value-head-dim", "8", "--linear-conv-kernel-dim", "4",
                "--qk-layernorm", "--rotary-percent", "0.25", "--attention-output-gate"],
+    # MoE layers (models.moe): routed experts with a shared one, the load-balancing loss, fp32 router
+    "dense-MoE": ["--num-layers", "2", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "40",
+                  "--moe-shared-expert-intermediate-size", "24", "--moe-aux-loss-coeff", "0.01",
+                  "--moe-router-dtype", "fp32"],
+    # top 3, the z-loss without a load-balancing loss, bf16 router; GDN and attention between
+    "hybrid GDN-MoE": ["--hybrid-layer-pattern", "GE*E", "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+                       "--linear-key-head-dim", "8", "--linear-value-head-dim", "8", "--linear-conv-kernel-dim", "4",
+                       "--num-experts", "6", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "40",
+                       "--moe-z-loss-coeff", "0.001"],
 }
 
 
@@ -51,25 +61,39 @@ def _flash_attention(q, k, v, cu_seqlens_q, softmax_scale, **unused):
     return _FlashAttentionSaves.apply(q, k, v, cu_seqlens_q, softmax_scale), None
 
 
+class _Saved:
+    """What a saved-tensor hook packs: alive as long as autograd keeps the tensor for the backward
+    (a node whose output nobody uses is freed during the forward, and its saved tensors with it)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
 def _saved_bytes_per_layer(model, sequences) -> dict[int, int]:
-    """Bytes of the distinct storages autograd saves in each decoder layer's forward."""
+    """Bytes of the distinct storages autograd keeps from each decoder layer's forward."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    layer_stack, saved = [None], {}
+    layer_stack, saved = [None], []
     for name, module in model.named_modules():
         if name.split(".")[-2:-1] == ["layers"]:
             module.register_forward_pre_hook(lambda m, a, index=int(name.split(".")[-1]): layer_stack.append(index))
             module.register_forward_hook(lambda m, a, o: (layer_stack.pop(), None)[1])
 
     def pack(tensor):
-        storage = tensor.untyped_storage()
-        if layer_stack[-1] is not None and storage.data_ptr() not in params:
-            saved.setdefault(storage.data_ptr(), (layer_stack[-1], storage.nbytes()))
-        return tensor
+        packed = _Saved(tensor)
+        if layer_stack[-1] is not None and tensor.untyped_storage().data_ptr() not in params:
+            saved.append((layer_stack[-1], weakref.ref(packed)))
+        return packed
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        forward_logprobs(model, pack_sequences(sequences))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed.tensor):
+        logprobs, _ = forward_logprobs(model, pack_sequences(sequences))
+        storages = {}
+        for layer, ref in saved:
+            if (packed := ref()) is not None:
+                storage = packed.tensor.untyped_storage()
+                storages.setdefault(storage.data_ptr(), (layer, storage.nbytes()))
+        del logprobs
     per_layer = collections.Counter()
-    for layer, nbytes in saved.values():
+    for layer, nbytes in storages.values():
         per_layer[layer] += nbytes
     return dict(per_layer)
 
