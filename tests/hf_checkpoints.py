@@ -1,5 +1,5 @@
 """Tiny random Hugging Face checkpoints written by `transformers` inside the tests (nothing is
-downloaded): Qwen3 (dense) and Qwen3.5 (hybrid, flat or nested in a vision-language config),
+downloaded): Qwen3 (dense), Qwen3-MoE and Qwen3.5 (hybrid, flat or nested in a vision-language config),
 with a small word-level tokenizer that has a chat template."""
 
 import json
@@ -37,18 +37,46 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                         + noise if "A_log" not in name else noise.abs().log())
 
 
+def _mlps_of_order_one(model: torch.nn.Module, seed: int) -> None:
+    """MLP (and expert, router) weights and pre-MLP norms of order 1, so that silu is not the
+    near-linear x/2 it is at `_randomize`'s scale, where a mapping that swapped an MLP's gate and
+    up halves would go unseen (silu(g) * u ~ silu(u) * g)."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("post_attention_layernorm.weight"):
+                param.add_(1.0)
+            elif ".mlp." in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+
+
+# Qwen3's sizes, shared by the dense and the MoE checkpoint
+QWEN3_SIZES = dict(vocab_size=len(WORDS) + 3, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def _save(model: torch.nn.Module, path: str, seed: int) -> None:
+    _randomize(model, seed)
+    _mlps_of_order_one(model, seed)
+    model.save_pretrained(path)
+    save_tokenizer(path)
+
+
 def save_qwen3(path: str, tied: bool = True, seed: int = 0) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=len(WORDS) + 3, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
-                         tie_word_embeddings=tied, rope_parameters={"rope_type": "default",
-                                                                    "rope_theta": 10000.0})
-    model = Qwen3ForCausalLM(config)
-    _randomize(model, seed)
-    model.save_pretrained(path)
-    save_tokenizer(path)
+    _save(Qwen3ForCausalLM(Qwen3Config(**QWEN3_SIZES, num_hidden_layers=2, tie_word_embeddings=tied)), path, seed)
+
+
+def save_qwen3_moe(path: str, norm_topk_prob: bool = True, seed: int = 0) -> None:
+    """Three layers, the middle one dense (`mlp_only_layers`), four experts of which two a token."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(**QWEN3_SIZES, num_hidden_layers=3, tie_word_embeddings=False,
+                            moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                            decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=norm_topk_prob)
+    _save(Qwen3MoeForCausalLM(config), path, seed)
 
 
 def qwen35_text_config(**overrides):

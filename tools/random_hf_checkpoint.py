@@ -19,8 +19,8 @@ import torch
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-# Published config.json values (Qwen/Qwen3-0.6B, Qwen/Qwen3-4B; Qwen/Qwen3.5-2B's and
-# Qwen/Qwen3.5-9B's text_config).
+# Published config.json values (Qwen/Qwen3-0.6B, Qwen/Qwen3-4B, Qwen/Qwen3-30B-A3B; Qwen/Qwen3.5-2B's
+# and Qwen/Qwen3.5-9B's text_config).
 PRESETS = {
     "qwen3-0.6b": dict(
         model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
@@ -33,6 +33,13 @@ PRESETS = {
         num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
         max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
     "qwen3.5-9b": dict(
         model_type="qwen3_5_text", vocab_size=248320, hidden_size=4096, intermediate_size=12288,

@@ -12,7 +12,7 @@ import os
 def add_hf_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("megatron_rl_bi: Hugging Face checkpoints")
     group.add_argument("--hf-checkpoint", default=None, metavar="DIR",
-                       help="start from this Hugging Face directory (Qwen3, Qwen3.5): model flags "
+                       help="start from this Hugging Face directory (Qwen3, Qwen3-MoE, Qwen3.5): model flags "
                        "from its config.json, weights from its safetensors, its tokenizer")
     group.add_argument("--save-hf", default=None, metavar="DIR",
                        help="write the policy as Hugging Face directories DIR/iter_N (at the end "

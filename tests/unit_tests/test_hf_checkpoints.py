@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_checkpoints import save_qwen3, save_qwen35  # noqa: E402
+from hf_checkpoints import save_qwen3, save_qwen3_moe, save_qwen35  # noqa: E402
 
 from .conftest import torch_varlen_attention  # noqa: E402
 
@@ -100,6 +100,23 @@ def test_qwen3_import_matches_transformers_and_round_trips(tmp_path, cpu_megatro
     model, args = build(hf.path)
     assert (args.num_layers, args.hidden_size, args.kv_channels, args.num_query_groups) == (2, 64, 16, 2)
     assert args.untie_embeddings_and_output_weights is not tied and args.qk_layernorm
+    load_hf_weights(model, hf)
+    assert_same_model(hf.path, model, hf.vocab_size)
+    assert_round_trip(model, hf, tmp_path / "out")
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_qwen3_moe_import_matches_transformers_and_round_trips(tmp_path, cpu_megatron, norm_topk_prob):
+    """Experts, router and the dense layer of `mlp_only_layers` in place; the router's top-k
+    normalized (top-k of the logits, softmax over the k) or not (softmax over all, top-k)."""
+    from safetensors.torch import load_file
+
+    save_qwen3_moe(str(tmp_path / "hf"), norm_topk_prob=norm_topk_prob)
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in load_file(str(tmp_path / "hf" / "model.safetensors"))
+    hf = read_hf_model(str(tmp_path / "hf"))
+    model, args = build(hf.path)
+    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size, args.ffn_hidden_size) == (4, 2, 32, 96)
+    assert args.moe_layer_freq == [1, 0, 1] and args.moe_router_pre_softmax is not norm_topk_prob
     load_hf_weights(model, hf)
     assert_same_model(hf.path, model, hf.vocab_size)
     assert_round_trip(model, hf, tmp_path / "out")

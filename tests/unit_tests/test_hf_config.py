@@ -59,3 +59,32 @@ def test_layer_types_must_cover_every_layer(tmp_path):
     config = {**QWEN3_5, "layer_types": ["linear_attention", "full_attention"]}
     with pytest.raises(ValueError, match="config.json: 2 layer_types for num_hidden_layers 4"):
         _flags(tmp_path, config)
+
+
+QWEN3_MOE = {**QWEN3, "model_type": "qwen3_moe", "num_hidden_layers": 6, "num_experts": 8,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 2,
+             "mlp_only_layers": [3], "norm_topk_prob": True}
+
+
+def test_qwen3_moe_layers_router_and_sizes_by_hand(tmp_path):
+    """Every 2nd layer counting from 1 has experts (1, 3, 5), less layer 3 (`mlp_only_layers`);
+    a normalized top-k is the softmax over the top k logits (no pre-softmax)."""
+    flags = _flags(tmp_path, QWEN3_MOE)
+    assert flags["moe_layer_freq"] == [0, 1, 0, 0, 0, 1]
+    assert (flags["num_experts"], flags["moe_router_topk"], flags["moe_ffn_hidden_size"]) == (8, 2, 32)
+    assert flags["moe_router_pre_softmax"] is False and flags["ffn_hidden_size"] == 128
+    # transformers 5 writes num_local_experts; without norm_topk_prob its default, False
+    config = {k: v for k, v in QWEN3_MOE.items() if k not in ("num_experts", "norm_topk_prob", "decoder_sparse_step")}
+    flags = _flags(tmp_path, {**config, "num_local_experts": 4})
+    assert flags["num_experts"] == 4 and flags["moe_router_pre_softmax"] is True
+    assert flags["moe_layer_freq"] == [1, 1, 1, 0, 1, 1]
+
+
+@pytest.mark.parametrize("config, problem", [
+    ({**QWEN3_MOE, "shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size .a shared expert."),
+    ({**QWEN3, "num_experts": 8}, "a mixture of experts .num_experts. outside Qwen3-MoE"),
+    ({**QWEN3_5, "model_type": "qwen3_5_moe_text"}, "model_type 'qwen3_5_moe_text' is not supported"),
+])
+def test_moe_the_mapping_does_not_cover_is_refused_naming_the_key(tmp_path, config, problem):
+    with pytest.raises(ValueError, match=problem):
+        _flags(tmp_path, config)

@@ -36,3 +36,22 @@ def test_a_depth_that_does_not_fit_the_pattern_is_refused(preset, layers, tmp_pa
                                       "--num-hidden-layers", str(layers)])
     with pytest.raises(SystemExit, match=f"--num-hidden-layers {layers}: .* multiple of"):
         _tool().main()
+
+
+def test_the_qwen3_30b_a3b_preset_is_the_published_moe_model(tmp_path, monkeypatch):
+    """Its config imports as 48 MoE layers of 128 experts, 8 a token, and the planner counts the
+    published 30.5B parameters (3.3B of them active: attention, embeddings and 8 experts)."""
+    from megatron_rl_bi.config import parse_rl_args
+    from megatron_rl_bi.config.from_args import model_shape_from_args
+    from megatron_rl_bi.memory import parameter_count
+
+    monkeypatch.setattr(sys, "argv", ["random_hf_checkpoint.py", "qwen3-30b-a3b", str(tmp_path), "--config-only"])
+    _tool().main()
+    args = parse_rl_args(["--hf-checkpoint", str(tmp_path / "hf"), "--seq-length", "4096",
+                          "--transformer-impl", "local", "--flash-attention-version", "4"])
+    assert (args.num_layers, args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (48, 128, 8, 768)
+    assert args.moe_layer_freq == [1] * 48 and args.moe_router_pre_softmax is False
+    shape = model_shape_from_args(args, args.vocab_size)
+    assert round(parameter_count(shape) / 1e9, 1) == 30.5
+    active = parameter_count(shape) - 48 * 120 * 3 * 2048 * 768
+    assert 3.3e9 <= active < 3.4e9

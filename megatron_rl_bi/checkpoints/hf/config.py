@@ -1,11 +1,13 @@
 """A Hugging Face `config.json` -> the Megatron flags that build the same model.
 
-Families: Qwen3 (`model_type` "qwen3", dense) and Qwen3.5 (`qwen3_5_text`, or `qwen3_5` whose
-nested `text_config` is used and whose vision tower is left out): a hybrid of Gated DeltaNet
-('G') and gated full-attention ('*') mixers, each followed by a dense MLP ('-'), zero-centred
-RMSNorm weights, partial rotary embeddings. Features the mapping does not cover (MoE, sliding
-windows, rope scaling, attention biases, other activations) fail here with the key that says
-so, before any weight is read.
+Families: Qwen3 (`model_type` "qwen3", dense), Qwen3-MoE (`qwen3_moe`: Qwen3's attention, and
+in the layers `decoder_sparse_step` and `mlp_only_layers` name a mixture of experts with its
+router, softmax top-k, normalized when `norm_topk_prob`) and Qwen3.5 (`qwen3_5_text`, or
+`qwen3_5` whose nested `text_config` is used and whose vision tower is left out): a hybrid of
+Gated DeltaNet ('G') and gated full-attention ('*') mixers, each followed by a dense MLP ('-'),
+zero-centred RMSNorm weights, partial rotary embeddings. Features the mapping does not cover
+(Qwen3.5's MoE models, shared experts, sliding windows, rope scaling, attention biases, other
+activations) fail here with the key that says so, before any weight is read.
 """
 
 import os
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 from megatron_rl_bi.jsonfile import read_object
 
-FAMILIES = ("qwen3", "qwen3_5")
+FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5")
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,13 @@ class HFModel:
     @property
     def vocab_size(self) -> int:
         return self.positive("vocab_size", int)
+
+    @property
+    def num_experts(self) -> int:
+        """Qwen3-MoE's experts a MoE layer: `num_experts` (the published configs) or
+        `num_local_experts` (what transformers 5 writes)."""
+        key = "num_experts" if "num_experts" in self.text_config else "num_local_experts"
+        return self.positive(key, int)
 
     @property
     def layer_types(self) -> list[str]:
@@ -60,14 +69,14 @@ def read_hf_model(path: str) -> HFModel:
         raise ValueError(f"--hf-checkpoint {path}: no config.json there")
     config = read_object(config_path)
     model_type = config.get("model_type")
-    if model_type == "qwen3":
-        return HFModel(path, "qwen3", config, config)
+    if model_type in ("qwen3", "qwen3_moe"):
+        return HFModel(path, model_type, config, config)
     if model_type == "qwen3_5_text":
         return HFModel(path, "qwen3_5", config, config)
     if model_type == "qwen3_5" and isinstance(config.get("text_config"), dict):
         return HFModel(path, "qwen3_5", config["text_config"], config)
     raise ValueError(f"{config_path}: model_type {model_type!r} is not supported "
-                     "(qwen3, qwen3_5_text, or qwen3_5 with a text_config)")
+                     "(qwen3, qwen3_moe, qwen3_5_text, or qwen3_5 with a text_config)")
 
 
 def _rope(model: HFModel) -> tuple[float, float]:
@@ -96,8 +105,10 @@ def _refuse_unsupported(model: HFModel) -> None:
         problems.append("attention_bias true")
     if cfg.get("use_sliding_window"):
         problems.append("use_sliding_window true")
-    if cfg.get("num_experts") or cfg.get("num_local_experts"):
-        problems.append("a mixture of experts (num_experts): MoE models are not supported")
+    if model.family != "qwen3_moe" and (cfg.get("num_experts") or cfg.get("num_local_experts")):
+        problems.append("a mixture of experts (num_experts) outside Qwen3-MoE: not supported yet")
+    if cfg.get("shared_expert_intermediate_size"):
+        problems.append("shared_expert_intermediate_size (a shared expert): not supported yet")
     if problems:
         raise ValueError(f"{where}: not supported: " + "; ".join(problems))
 
@@ -129,12 +140,36 @@ def megatron_flags(model: HFModel) -> dict:
         untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
         vocab_size=model.vocab_size,
     )
-    if model.family == "qwen3":
+    if model.family in ("qwen3", "qwen3_moe"):
         flags.update(num_layers=positive("num_hidden_layers", int), layernorm_zero_centered_gamma=False,
                      attention_output_gate=False)
+        if model.family == "qwen3_moe":
+            flags.update(_qwen3_moe_flags(model))
     else:
         flags.update(_qwen3_5_flags(model))
     return flags
+
+
+def moe_layers(model: HFModel) -> list[bool]:
+    """Qwen3-MoE: which layers have experts (transformers' rule: every `decoder_sparse_step`-th,
+    counting from 1, unless listed in `mlp_only_layers`)."""
+    cfg, layers = model.text_config, model.positive("num_hidden_layers", int)
+    step = model.positive("decoder_sparse_step", int) if "decoder_sparse_step" in cfg else 1
+    dense = set(cfg.get("mlp_only_layers") or [])
+    return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
+
+
+def _qwen3_moe_flags(model: HFModel) -> dict:
+    """The router: top-k of the logits then a softmax over the k is the normalized top-k of the
+    softmax (`norm_topk_prob`); without it, the softmax over every expert, then the top-k."""
+    return dict(
+        num_experts=model.num_experts,
+        moe_router_topk=model.positive("num_experts_per_tok", int),
+        moe_ffn_hidden_size=model.positive("moe_intermediate_size", int),
+        moe_layer_freq=[int(moe) for moe in moe_layers(model)],
+        moe_router_pre_softmax=not model.text_config.get("norm_topk_prob", False),
+        moe_router_score_function="softmax",
+    )
 
 
 def _qwen3_5_flags(model: HFModel) -> dict:

@@ -5,7 +5,8 @@ tensor back. Layouts (read from Megatron-Bridge's Qwen bridges and megatron-core
 - attention `linear_qkv`: per query group g, [the group's query heads, (their output-gate heads
   when gated), its key head, its value head]; HF keeps q, k, v apart, and Qwen3.5's `q_proj`
   holds each head's query then its gate ([q_h, g_h] per head);
-- MLP `linear_fc1`: [gate_proj; up_proj];
+- MLP `linear_fc1`: [gate_proj; up_proj], an expert's too (Qwen3-MoE's `mlp.experts.{e}.*`, its
+  router `mlp.gate` Megatron's `mlp.router`);
 - GDN `in_proj`: [q, k, v (HF's in_proj_qkv), z, beta (in_proj_b), alpha (in_proj_a)];
 - Qwen3.5 layer i is Megatron's hybrid layers 2i (the mixer) and 2i + 1 (the MLP);
 - embedding and output rows are padded to Megatron's padded vocabulary with zeros on import and
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rl_bi.checkpoints.hf.config import HFModel
+from megatron_rl_bi.checkpoints.hf.config import HFModel, moe_layers
 
 COPY, CONCAT, QKV, VOCAB = "copy", "concat", "qkv", "vocab"
 
@@ -48,6 +49,16 @@ def _mlp(mg: str, hf: str) -> list[Rule]:
     ]
 
 
+def _moe(mg: str, hf: str, experts: int) -> list[Rule]:
+    result = [Rule(f"{mg}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",)),
+              Rule(f"{mg}.mlp.router.weight", (f"{hf}.mlp.gate.weight",))]
+    for e in range(experts):
+        ours, theirs = f"{mg}.mlp.experts.local_experts.{e}", f"{hf}.mlp.experts.{e}"
+        result += [Rule(f"{ours}.linear_fc1.weight", (f"{theirs}.gate_proj.weight", f"{theirs}.up_proj.weight"), CONCAT),
+                   Rule(f"{ours}.linear_fc2.weight", (f"{theirs}.down_proj.weight",))]
+    return result
+
+
 def _gdn(mg: str, hf: str) -> list[Rule]:
     attn = f"{hf}.linear_attn"
     return [
@@ -69,12 +80,14 @@ def rules(model: HFModel, tied_embeddings: bool, final_norm: str) -> list[Rule]:
               Rule(final_norm, ("norm.weight",))]
     if not tied_embeddings:
         result.append(Rule("output_layer.weight", ("lm_head.weight",), VOCAB))
+    experts = moe_layers(model) if model.family == "qwen3_moe" else None
     for i in range(model.text_config["num_hidden_layers"]):
         hf = f"layers.{i}"
-        if model.family == "qwen3":
+        if model.family in ("qwen3", "qwen3_moe"):
             mg = f"decoder.layers.{i}"
+            mlp = _moe(mg, hf, model.num_experts) if experts and experts[i] else _mlp(mg, hf)
             result += [Rule(f"{mg}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",)),
-                       *_attention(mg, hf, gated=False), *_mlp(mg, hf)]
+                       *_attention(mg, hf, gated=False), *mlp]
             continue
         mixer = f"decoder.layers.{2 * i}"
         result.append(Rule(f"{mixer}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",)))
