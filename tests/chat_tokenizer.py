@@ -1,6 +1,7 @@
 """A byte-level BPE tokenizer with a chat template in Qwen3's manner (tools declared in a system
 turn, tool answers as <tool_response> in a user turn), trained here on a few lines: what the
-chat tool-format tests and the functional case gpt_tiny/conversation_chat run (nothing is
+chat tool-format tests and the functional case gpt_tiny/conversation_chat (out until its golden
+values are regenerated: docs/testing.md) run (nothing is
 downloaded). `python -m tests.chat_tokenizer DIR` writes it (the case's copy:
 tests/functional_tests/assets/chat_tokenizer)."""
 

@@ -39,6 +39,11 @@ class TagTurns:
     def action(self, text: str) -> str:
         return text
 
+    def demonstrated(self, text: str) -> str:
+        """A demonstration's model turn (written in the environment's tags) as the model would
+        write it in this format: what `action` reads back as `text`."""
+        return text
+
     def observation(self, text: str, max_tokens: int) -> list[int]:
         return self.tokenizer.encode(text)[:max_tokens]
 
@@ -70,6 +75,15 @@ class ChatTemplateTurns(TagTurns):
         if not isinstance(value, str):
             return text
         return f"{text[:call.start()]}<{name}>{value}</{name}>"
+
+    def demonstrated(self, text: str) -> str:
+        """The tool's tag the turn ends with as the template's call (Qwen3's JSON form)."""
+        for name, argument in self.arguments.items():
+            tag = re.search(rf"<{re.escape(name)}>(.*?)</{re.escape(name)}>\s*$", text, re.S)
+            if tag:
+                call = json.dumps({"name": name, "arguments": {argument: tag.group(1)}})
+                return f"{text[:tag.start()]}<tool_call>\n{call}\n</tool_call>"
+        return text
 
     def observation(self, text: str, max_tokens: int) -> list[int]:
         """The answer (at most `max_tokens` of it) inside the template's tool message, then the

@@ -24,6 +24,7 @@ from megatron_rl_bi.checkpoints.megatron import (
 )
 from megatron_rl_bi.distributed import MetricTerms, all_reduce_metrics
 from megatron_rl_bi.envs import PromptSource
+from megatron_rl_bi.envs.tool_format import build_tool_format
 from megatron_rl_bi.inference import Generator, Sampling
 from megatron_rl_bi.reporting.gpu_memory import PeakMemory
 from megatron_rl_bi.reporting.metrics import MetricsLogger
@@ -93,7 +94,13 @@ class LoopConfig:
     """Steps to trace (--profile and its flags: reporting/profiling.py); None: none."""
 
 
-def _sft_warmup(ddp, optimizer, task, tokenizer, config: LoopConfig, logger) -> None:
+def _sft_warmup(ddp, optimizer, task, tokenizer, rollout_config: RolloutConfig | None, config: LoopConfig,
+                logger) -> None:
+    """Demonstrations in the run's tool format (envs.tool_format), as its conversations hold them
+    (`rollout_config` None or without an environment: the demonstrations' own text)."""
+    environment = rollout_config.environment if rollout_config else None
+    turns = build_tool_format(rollout_config.turns.tool_format, tokenizer, environment) if environment else None
+    observation_tokens = rollout_config.turns.observation_tokens if rollout_config else 0
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     source = PromptSource(task, config.seed, rank, world)
     source.position = _SFT_INDEX_OFFSET
@@ -102,15 +109,16 @@ def _sft_warmup(ddp, optimizer, task, tokenizer, config: LoopConfig, logger) -> 
         for group in optimizer.param_groups:
             group["lr"] = config.sft_lr
     for step in range(1, config.sft_warmup_steps + 1):
-        loss = sft_step(ddp, optimizer, source.take(config.sft_batch_size), tokenizer)
+        loss = sft_step(ddp, optimizer, source.take(config.sft_batch_size), tokenizer, turns,
+                        observation_tokens)
         if logger and (step % 25 == 0 or step == config.sft_warmup_steps):
             print(f"sft warm-up {step}/{config.sft_warmup_steps} | nll {loss:.4f}", flush=True)
     for group, lr in zip(optimizer.param_groups, saved_lrs):
         group["lr"] = lr
 
 
-def _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, ahead, task, tokenizer, config,
-                       logger) -> tuple[int, int]:
+def _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, ahead, task, tokenizer, config, logger,
+                       rollout_config: RolloutConfig | None = None) -> tuple[int, int]:
     """(step, weight version) to continue from: a checkpoint's under --load (with the prompt
     position, the batches generated ahead and the learning-rate schedule it saved), else (0, 0)
     after the SFT warm-up."""
@@ -119,7 +127,7 @@ def _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, ahead, task, tokeni
         if config.load_dir and logger:
             print(f"--load {config.load_dir}: no checkpoint there yet; starting a fresh run", flush=True)
         if config.sft_warmup_steps:
-            _sft_warmup(ddp, optimizer, task, tokenizer, config, logger)
+            _sft_warmup(ddp, optimizer, task, tokenizer, rollout_config, config, logger)
         return 0, 0
     if state.get("seed", config.seed) != config.seed:
         raise ValueError(f"--load {config.load_dir}: the checkpoint's run had --seed {state['seed']}, "
@@ -278,7 +286,7 @@ def run_rl(
                                      validating=bool(eval_examples))
     with _EarlyStop(config) as early_stop:
         start_step, weight_version = _resume_or_warm_up(ddp, optimizer, lr_scheduler, source, ahead, task,
-                                                        tokenizer, config, logger)
+                                                        tokenizer, config, logger, rollout_config)
         ahead.start(start_step, weight_version, ddp)
         kept = KeptWeights(config.keep_old_weights)
         kept.keep(weight_version, ddp)

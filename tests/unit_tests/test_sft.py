@@ -35,3 +35,31 @@ def test_the_lookup_tasks_demonstration_shows_the_search_environments_answer():
     key, value = example.prompt.split()[1], example.answer
     assert example.demonstration == (f"<search>{key}</search>", f"\n<information>Doc 1: {key} is {value}</information>\n",
                                      f"<answer>{value}</answer>")
+
+
+def test_a_chat_format_runs_demonstration_is_written_as_its_conversations_are(tmp_path):
+    """--rl-tool-format chat: the warm-up's prompt declares the tools, the model's search is the
+    template's tool call (which the run reads back as the search), the environment's answer is
+    the tool message, and only the model's turns are targets. (In the environment's tags the
+    model would learn calls that a chat-format run never reads.)"""
+    from megatron_rl_bi.envs.search import SearchEnvironment
+    from megatron_rl_bi.envs.tool_format import build_tool_format
+
+    from ..chat_tokenizer import TOOL_TEMPLATE, save_bpe_tokenizer
+
+    tok = save_bpe_tokenizer(tmp_path, TOOL_TEMPLATE)
+    turns = build_tool_format("chat", tok, SearchEnvironment)
+    example = LookupTask(seed=0).example(0)
+    search, information, answer = example.demonstration
+    target = demonstration(example, tok, turns, observation_tokens=512)
+    assert target.prompt_tokens == turns.prompt(example.prompt) != tok.encode_prompt(example.prompt)
+    call = tok.decode(target.completion_tokens[: target.completion_sampled.index(False)])
+    assert "<tool_call>" in call and turns.action(call) == search
+    observation = turns.observation(information, 512)
+    first = target.completion_sampled.index(False)
+    assert target.completion_tokens[first:first + len(observation)] == observation
+    assert not any(target.completion_sampled[first:first + len(observation)])
+    assert all(target.completion_sampled[first + len(observation):])
+    # the tags format: the demonstration's own text, as without a format
+    tags = build_tool_format("tags", tok, SearchEnvironment)
+    assert demonstration(example, tok, tags) == demonstration(example, tok)
