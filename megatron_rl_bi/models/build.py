@@ -33,6 +33,10 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
     config = compat.transformer_config_with_engine_graphs(
         argparse.Namespace(**{**vars(args), "batch_invariant_mode": bi.enabled()})
     )
+    # megatron-core initializes the MoE router's weights on the CPU, from torch's default
+    # generator, which megatron-core's CUDA seeding leaves alone: seeded here, they follow --seed
+    # and not whatever drew from that generator earlier in the process.
+    torch.random.default_generator.manual_seed(args.seed)
     common = dict(
         config=config,
         vocab_size=args.padded_vocab_size,

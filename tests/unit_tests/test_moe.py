@@ -240,3 +240,22 @@ def test_router_losses_scaled_to_the_steps_tokens_equal_megatrons_unscaled_mean(
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     assert grads[False].abs().sum() > 0
     torch.testing.assert_close(grads[True], grads[False], rtol=1e-5, atol=1e-7)
+
+
+def test_the_routers_initial_weights_follow_the_seed_alone(cpu_training):
+    """megatron-core draws the router's weights from torch's CPU generator: before build_model
+    seeded it, a second model of the same --seed got other router weights, and another --seed
+    the same ones."""
+    from megatron_rl_bi.config import parse_rl_args
+    from megatron_rl_bi.models.build import build_model
+
+    def router_weights(seed: int):
+        args = parse_rl_args(MODEL_FLAGS + ["--num-layers", "1", "--seed", str(seed)])
+        with bi.batch_invariant(False):
+            model = build_model(args, 40)
+        return next(m for m in model.modules() if isinstance(m, moe.BatchInvariantRouter)).weight.detach().clone()
+
+    first = router_weights(5)
+    torch.rand(7)  # anything else drawing from the generator in between
+    assert torch.equal(router_weights(5), first)
+    assert not torch.equal(router_weights(6), first)
