@@ -62,6 +62,12 @@ MODELS = {
                       "--bench-requests", "64", "--bench-prompt-tokens", "4096", "8064", "--bench-new-tokens", "64",
                       "--bench-generation-only",
                       "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    # Qwen3-30B-A3B's widths (128 experts, 8 a token, 768 wide; 32 heads, 4 KV groups) at 4 layers,
+    # engine eager (MoE): BI's cost on a MoE model, the experts' many small GEMMs included.
+    "moe_qwen3_30b_widths": ["--num-layers", "4", "--ffn-hidden-size", "6144", "--num-attention-heads", "32",
+                             "--group-query-attention", "--num-query-groups", "4", "--kv-channels", "128",
+                             "--qk-layernorm", "--num-experts", "128", "--moe-router-topk", "8",
+                             "--moe-ffn-hidden-size", "768", "--bench-vocab-size", "151936"],
 }
 # dense16 at 128 requests, an RL step's request count: the decode step's bytes grow with the
 # requests' KV cache while its host work does not.
