@@ -227,6 +227,7 @@ def test_router_losses_scaled_to_the_steps_tokens_equal_megatrons_unscaled_mean(
 
     tokens = tied_tokens(12).float()
     grads = {}
+    destroy_moe_metrics_tracker()  # process-wide: other tests' MoE forwards recorded into it
     for per_token in (False, True):
         layer = moe_layer(moe_aux_loss_coeff=1.0, calculate_per_token_loss=per_token).float()
         layer.set_layer_number(1)  # what a decoder block sets; the tracker records by layer
