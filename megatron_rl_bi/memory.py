@@ -123,7 +123,7 @@ def activation_bytes_per_token(shape: ModelShape, symbol: str) -> int:
     h, e = shape.hidden, shape.param_bytes
     norm = h * e + 4  # the norm's input and its fp32 1/rms
     if symbol == "-":
-        return norm + (h + _mlp_bytes(shape, shape.ffn)) * e  # + fc1's input
+        return norm + (h + _mlp_elements(shape, shape.ffn)) * e  # + fc1's input
     if symbol == "E":
         return norm + _moe_bytes_per_token(shape)
     if symbol == "*":
@@ -136,7 +136,7 @@ def activation_bytes_per_token(shape: ModelShape, symbol: str) -> int:
     return norm + bf16 * e + fp32 * 4
 
 
-def _mlp_bytes(shape: ModelShape, ffn: int) -> int:
+def _mlp_elements(shape: ModelShape, ffn: int) -> int:
     """An MLP's fc1 output and activation outputs, in elements a row: silu(gate) and the product;
     megatron-core's GLU adds its linear offset to the linear half (x + glu_linear_offset, a new
     tensor) before the product saves it."""
@@ -152,8 +152,8 @@ def _moe_bytes_per_token(shape: ModelShape) -> int:
     load-balancing loss's fp32 softmax [E] (its own top-k's indices are freed in the forward),
     the z-loss's logits [E] and log-sum-exp."""
     e, k, experts, rb = shape.param_bytes, shape.topk, shape.experts, shape.router_bytes
-    rows = k * (shape.hidden + _mlp_bytes(shape, shape.expert_ffn) + shape.expert_ffn) * e
-    shared = _mlp_bytes(shape, shape.shared_ffn) * e if shape.shared_ffn else 0
+    rows = k * (shape.hidden + _mlp_elements(shape, shape.expert_ffn) + shape.expert_ffn) * e
+    shared = _mlp_elements(shape, shape.shared_ffn) * e
     routing = (2 * experts + 2 * k) * 8 + k * 4 + k * rb
     losses = (experts * 4 if shape.load_balancing_loss else 0) + ((experts + 1) * rb if shape.z_loss else 0)
     return shape.hidden * e + rows + shared + routing + losses

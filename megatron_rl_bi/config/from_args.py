@@ -134,6 +134,7 @@ def _profile_from_args(args: argparse.Namespace) -> ProfileConfig | None:
 
 def model_shape_from_args(args: argparse.Namespace, vocab_size: int) -> ModelShape:
     """The model's shape for the memory plan; `vocab_size` before Megatron's padding."""
+    param_bytes = 2 if args.bf16 or args.fp16 else 4
     if args.hybrid_layer_pattern:
         layers = tuple(args.hybrid_layer_pattern)
     else:
@@ -147,13 +148,13 @@ def model_shape_from_args(args: argparse.Namespace, vocab_size: int) -> ModelSha
         qk_norm=args.qk_layernorm, output_gate=args.attention_output_gate,
         gdn_key_heads=args.linear_num_key_heads or 0, gdn_value_heads=args.linear_num_value_heads or 0,
         gdn_key_dim=args.linear_key_head_dim or 0, gdn_value_dim=args.linear_value_head_dim or 0,
-        gdn_conv_kernel=args.linear_conv_kernel_dim or 0, param_bytes=2 if args.bf16 or args.fp16 else 4,
+        gdn_conv_kernel=args.linear_conv_kernel_dim or 0, param_bytes=param_bytes,
         rotary_dim=(int(args.kv_channels * args.rotary_percent)
                     if args.position_embedding_type in ("rope", "mrope") else 0),
         experts=args.num_experts or 0, topk=args.moe_router_topk if args.num_experts else 0,
         expert_ffn=(args.moe_ffn_hidden_size or args.ffn_hidden_size) if args.num_experts else 0,
         shared_ffn=args.moe_shared_expert_intermediate_size or 0,
-        router_bytes=4 if args.moe_router_dtype == "fp32" else 2 if args.bf16 or args.fp16 else 4,
+        router_bytes=4 if args.moe_router_dtype == "fp32" else param_bytes,
         load_balancing_loss=bool(args.num_experts) and _load_balancing_loss(args),
         z_loss=bool(args.num_experts and args.moe_z_loss_coeff),
     )
@@ -161,11 +162,12 @@ def model_shape_from_args(args: argparse.Namespace, vocab_size: int) -> ModelSha
 
 def _load_balancing_loss(args: argparse.Namespace) -> bool:
     """megatron-core's TopKRouter.is_aux_loss_enabled: an aux_loss type with a coefficient > 0."""
-    types = args.moe_router_load_balancing_type
-    coeffs = args.moe_aux_loss_coeff
-    types, coeffs = (types if isinstance(types, list) else [types]), (coeffs if isinstance(coeffs, list) else [coeffs])
-    return any(t in ("aux_loss", "seq_aux_loss", "global_aux_loss") and c > 0
-               for t, c in zip(types, coeffs * len(types) if len(coeffs) == 1 else coeffs))
+    types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    types = types if isinstance(types, list) else [types]
+    coeffs = coeffs if isinstance(coeffs, list) else [coeffs]
+    if len(coeffs) == 1:  # one coefficient for every type
+        coeffs = coeffs * len(types)
+    return any(t in ("aux_loss", "seq_aux_loss", "global_aux_loss") and c > 0 for t, c in zip(types, coeffs))
 
 
 def engine_shape(config: EngineConfig) -> EngineShape:

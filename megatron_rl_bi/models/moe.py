@@ -159,15 +159,15 @@ class BatchInvariantMoELayer(MoELayer):
         )
 
 
-def scale_router_losses(global_tokens: float) -> None:
+def scale_router_losses(global_tokens: torch.Tensor) -> None:
     """Scales the MoE layers' load-balancing and z-loss gradients for an optimizer step over
-    `global_tokens` tokens (every rank's, every micro-batch's). Under --calculate-per-token-loss
+    `global_tokens` tokens (a 0-dim tensor of every rank's and micro-batch's: set on the device,
+    without waiting for it). Under --calculate-per-token-loss
     megatron-core multiplies each micro-batch's router losses by its token count and leaves the
     division to finalize_model_grads, which divides every gradient by the step's token count.
     Here the RL and SFT losses are normalized already and gradients are not divided, so the
     router losses take that division alone: a token-weighted mean over the micro-batches."""
-    MoEAuxLossAutoScaler.set_loss_scale(
-        torch.tensor(1.0 / max(global_tokens, 1.0), device=torch.cuda.current_device()))
+    MoEAuxLossAutoScaler.set_loss_scale(1.0 / global_tokens.float().clamp(min=1.0))
 
 
 def router_loss_sums() -> dict[str, float]:

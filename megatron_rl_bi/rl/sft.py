@@ -47,7 +47,7 @@ def sft_step(ddp, optimizer, examples: list[Example], tokenizer, turns: TagTurns
     answer_mask = batch.completion
     tokens = torch.tensor([float(answer_mask.sum()), float(answer_mask.numel())], device=answer_mask.device)
     torch.distributed.all_reduce(tokens)
-    scale_router_losses(tokens[1].item())
+    scale_router_losses(tokens[1])
     ddp.train()
     ddp.zero_grad_buffer()
     optimizer.zero_grad()

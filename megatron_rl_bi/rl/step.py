@@ -199,7 +199,7 @@ def train_on_rollouts(
             continue
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        scale_router_losses(counts[update, 2].item())
+        scale_router_losses(counts[update, 2])
         for micro in micro_batches(minibatch, config.micro_batch_tokens):
             metrics = _micro_batch_loss(ddp, micro, counts[update], old, compared, config,
                                         ref_model, no_tis)

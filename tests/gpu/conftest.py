@@ -64,3 +64,30 @@ def assert_bitwise(result: dict) -> None:
     assert result["completion_only"]["bit_wise/tokens"] >= 2 * 256
     assert metrics["bit_wise/logprob_diff/max"] == 0.0, metrics
     assert metrics["bit_wise/ratio_tokens_different"] == 0.0, metrics
+
+
+def packed_logits(model, sequences: list[list[int]]) -> torch.Tensor:
+    """The model's logits of `sequences` packed into one batch."""
+    from megatron_rl_bi.packing import pack_sequences
+
+    batch = pack_sequences(sequences).to("cuda")
+    return model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=None,
+                 packed_seq_params=batch.packed_seq_params())[0]
+
+
+def assert_parity_across_a_step(model, engine, backward) -> None:
+    """Engine logprobs == trainer logprobs (one Generator, the same module) over 32 requests,
+    before and after an SGD step on the gradients `backward()` leaves, which must move a weight."""
+    from megatron_rl_bi.inference import Generator, Sampling
+    from megatron_rl_bi.parity.harness import random_requests, run_parity
+
+    generator = Generator(model, engine)
+    prompts, budgets = random_requests(32, (1, 500), (1, 256), VOCAB_SIZE, seed=11)
+    sampling = Sampling(temperature=1.0, seed=11)
+    assert_bitwise(run_parity(model, generator, prompts, budgets, sampling, micro_batch_tokens=6000, orders=2))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    backward()
+    torch.optim.SGD(model.parameters(), lr=1e-2).step()
+    model.zero_grad(set_to_none=True)
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert_bitwise(run_parity(model, generator, prompts, budgets, sampling, micro_batch_tokens=6000, orders=1))

@@ -8,10 +8,9 @@ import torch
 
 from megatron_rl_bi import bi
 from megatron_rl_bi.inference import EngineConfig, Generator, Sampling
-from megatron_rl_bi.packing import pack_sequences
 from megatron_rl_bi.parity.harness import random_requests, run_parity
 
-from .conftest import TINY_HYBRID_ARGS, VOCAB_SIZE, assert_bitwise, build
+from .conftest import TINY_HYBRID_ARGS, VOCAB_SIZE, assert_parity_across_a_step, build, packed_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -27,12 +26,6 @@ def _build(batch_invariant: bool):
 def hybrid(distributed):
     yield _build(batch_invariant=True)
     bi.disable()
-
-
-def _logits(model, sequences):
-    batch = pack_sequences(sequences).to("cuda")
-    return model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=None,
-                 packed_seq_params=batch.packed_seq_params())[0]
 
 
 def _first_gdn(model):
@@ -64,8 +57,8 @@ def test_packed_equals_alone(hybrid):
     sequences = [torch.randint(0, VOCAB_SIZE, (n,)).tolist() for n in (1, 77, 300, 5, 129)]
     hybrid.train()
     with torch.no_grad():
-        packed = _logits(hybrid, sequences)
-        alone = torch.cat([_logits(hybrid, [s]) for s in sequences])
+        packed = packed_logits(hybrid, sequences)
+        alone = torch.cat([packed_logits(hybrid, [s]) for s in sequences])
     assert torch.equal(packed, alone)
 
 
@@ -73,7 +66,7 @@ def _check_backward(model):
     sequences = [torch.randint(0, VOCAB_SIZE, (n,)).tolist() for n in (40, 90)]
     model.train()
     model.zero_grad()
-    _logits(model, sequences).float().logsumexp(-1).mean().backward()
+    packed_logits(model, sequences).float().logsumexp(-1).mean().backward()
     grads = [p.grad for n, p in model.named_parameters() if "A_log" in n or "in_proj" in n]
     assert grads and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
                          for g in grads)
@@ -85,17 +78,7 @@ def test_backward_runs(hybrid):
 
 def test_engine_matches_trainer_bitwise_before_and_after_a_step(hybrid):
     """The same Generator (same module) before and after an optimizer step on the weights."""
-    generator = Generator(hybrid, ENGINE)
-    prompts, budgets = random_requests(32, (1, 500), (1, 256), VOCAB_SIZE, seed=11)
-    sampling = Sampling(temperature=1.0, seed=11)
-    assert_bitwise(run_parity(hybrid, generator, prompts, budgets, sampling,
-                               micro_batch_tokens=6000, orders=2))
-    before = {n: p.detach().clone() for n, p in hybrid.named_parameters()}
-    _check_backward(hybrid)
-    torch.optim.SGD(hybrid.parameters(), lr=1e-2).step()
-    assert any(not torch.equal(before[n], p) for n, p in hybrid.named_parameters())
-    assert_bitwise(run_parity(hybrid, generator, prompts, budgets, sampling,
-                               micro_batch_tokens=6000, orders=1))
+    assert_parity_across_a_step(hybrid, ENGINE, lambda: _check_backward(hybrid))
 
 
 def test_default_mode_trains_and_sees_a_mismatch(hybrid):

@@ -9,10 +9,9 @@ import torch
 from megatron_rl_bi import bi
 from megatron_rl_bi.inference import EngineConfig, Generator, Sampling
 from megatron_rl_bi.models.moe import BatchInvariantMoELayer
-from megatron_rl_bi.packing import pack_sequences
 from megatron_rl_bi.parity.harness import random_requests, run_parity
 
-from .conftest import COMMON_ARGS, VOCAB_SIZE, assert_bitwise, build
+from .conftest import COMMON_ARGS, VOCAB_SIZE, assert_parity_across_a_step, build, packed_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -75,28 +74,16 @@ def test_a_moe_layers_backward_repeats_its_bits(model):
         assert torch.equal(x_grad, grads[0][0]) and torch.equal(router_grad, grads[0][1])
 
 
-def _packed_logits(model, sequences):
-    batch = pack_sequences(sequences).to("cuda")
-    return model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=None,
-                 packed_seq_params=batch.packed_seq_params())[0]
-
-
 def test_engine_matches_trainer_bitwise_before_and_after_a_step(model):
     _, model = model
-    generator = Generator(model, ENGINE)
-    prompts, budgets = random_requests(32, (1, 500), (1, 256), VOCAB_SIZE, seed=11)
-    sampling = Sampling(temperature=1.0, seed=11)
-    assert_bitwise(run_parity(model, generator, prompts, budgets, sampling,
-                               micro_batch_tokens=6000, orders=2))
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    model.train()
-    torch.manual_seed(2)
-    _packed_logits(model, [torch.randint(0, VOCAB_SIZE, (n,)).tolist() for n in (100, 37)]).float().logsumexp(-1).sum().backward()
-    torch.optim.SGD(model.parameters(), lr=1e-2).step()
-    model.zero_grad(set_to_none=True)
-    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
-    assert_bitwise(run_parity(model, generator, prompts, budgets, sampling,
-                               micro_batch_tokens=6000, orders=1))
+
+    def backward():
+        model.train()
+        torch.manual_seed(2)
+        sequences = [torch.randint(0, VOCAB_SIZE, (n,)).tolist() for n in (100, 37)]
+        packed_logits(model, sequences).float().logsumexp(-1).sum().backward()
+
+    assert_parity_across_a_step(model, ENGINE, backward)
 
 
 def test_default_mode_sees_a_mismatch(model):
@@ -126,7 +113,7 @@ def test_the_models_training_step_repeats_its_bits(model, distributed):
     grads = []
     for _ in range(3):
         ddp.zero_grad_buffer()
-        _packed_logits(ddp, sequences).float().logsumexp(-1).mean().backward()
+        packed_logits(ddp, sequences).float().logsumexp(-1).mean().backward()
         ddp.finish_grad_sync()
         grads.append({n: p.main_grad.clone() for n, p in bi_model.named_parameters()})
     differ = [n for n in grads[0] if not all(torch.equal(g[n], grads[0][n]) for g in grads[1:])]

@@ -231,7 +231,7 @@ def test_router_losses_scaled_to_the_steps_tokens_equal_megatrons_unscaled_mean(
     for per_token in (False, True):
         layer = moe_layer(moe_aux_loss_coeff=1.0, calculate_per_token_loss=per_token).float()
         layer.set_layer_number(1)  # what a decoder block sets; the tracker records by layer
-        moe.scale_router_losses(12 if per_token else 1)
+        moe.scale_router_losses(torch.tensor(12.0 if per_token else 1.0))
         out, _ = layer(tokens)
         (out * 0).sum().backward()  # only the attached load-balancing loss has a gradient
         grads[per_token] = layer.router.weight.grad.clone()
