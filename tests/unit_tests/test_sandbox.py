@@ -59,7 +59,9 @@ pid = _posixsubprocess.fork_exec([b"/bin/sh", b"-c", b"id; head -1 /etc/passwd; 
                                  True, (errpipe_write,), None, None, -1, -1, -1, -1, -1, -1, errpipe_read,
                                  errpipe_write, True, False, -1, None, None, None, -1, None, False)
 os.close(errpipe_write)
-print("exec error:", os.read(errpipe_read, 200) or None)
+# the child writes its error in pieces ("OSError:", the errno, ...): read to the pipe's end, as subprocess does
+error = b"".join(iter(lambda: os.read(errpipe_read, 200), b""))
+print("exec error:", error or None)
 print("status", os.waitpid(pid, 0)[1])
 """
 
