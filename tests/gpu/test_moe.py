@@ -101,12 +101,15 @@ def test_the_models_training_step_repeats_its_bits(model, distributed):
     """The whole model under megatron-core's DDP and optimizer, as pretrain_rl trains it: the same
     packed batch's loss backward three times from the same weights gives every parameter the same
     gradient (the failure names the parameters that differ). On the H200 at b6caf84 the tiny MoE
-    recipe's warm-up parted between runs by its 25th step, while a MoE layer alone repeats."""
+    recipe's warm-up parted between runs by its 25th step, while a MoE layer alone repeats; at 0cfc410,
+    with torch's CPU generator seeded (the router's initialization), two runs of the recipe repeated
+    every value over 120 steps."""
     from megatron_rl_bi.config import parse_args
     from megatron_rl_bi.optimizer import build_ddp_and_optimizer
 
     name, bi_model = model
-    args = parse_args(MODELS[name] + ["--batch-invariant-mode"])
+    # pretrain_rl's defaults give --lr; megatron-core's optimizer refuses none
+    args = parse_args(MODELS[name] + ["--batch-invariant-mode", "--lr", "1e-5"])
     ddp, _ = build_ddp_and_optimizer(args, bi_model)
     torch.manual_seed(3)
     sequences = [torch.randint(0, VOCAB_SIZE, (n,)).tolist() for n in (300, 41, 700, 5)]
