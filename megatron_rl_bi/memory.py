@@ -56,6 +56,8 @@ class ModelShape:
     expert_ffn: int = 0
     shared_ffn: int = 0
     """A MoE layer's routed experts, experts a token, an expert's and the shared expert's widths."""
+    shared_gate: bool = False
+    """The shared expert's output scaled by the sigmoid of its own gate (--moe-shared-expert-gate)."""
     router_bytes: int = 2
     """The router's logits and probabilities: 4 with --moe-router-dtype fp32, else the params'."""
     load_balancing_loss: bool = False
@@ -93,9 +95,9 @@ def layer_parameters(shape: ModelShape, symbol: str) -> int:
     h, b = shape.hidden, shape.bias
     if symbol == "-":
         return h + _mlp_parameters(shape, shape.ffn)
-    if symbol == "E":  # norm, router, routed experts, shared expert
+    if symbol == "E":  # norm, router, routed experts, shared expert and its gate
         return (h + _linear(h, shape.experts, b) + shape.experts * _mlp_parameters(shape, shape.expert_ffn)
-                + _mlp_parameters(shape, shape.shared_ffn))
+                + _mlp_parameters(shape, shape.shared_ffn) + (h if shape.shared_gate else 0))
     if symbol == "*":
         q_out = shape.q_dim * (2 if shape.output_gate else 1)
         norms = 2 * shape.head_dim if shape.qk_norm else 0
@@ -146,14 +148,15 @@ def _mlp_elements(shape: ModelShape, ffn: int) -> int:
 def _moe_bytes_per_token(shape: ModelShape) -> int:
     """A MoE layer after its norm (models.moe in BI mode): the normed input (router's, shared
     expert's), each of the token's k expert rows (its copy of the input, an MLP's tensors, and
-    the activation scaled by the router's probability, fc2's input), the shared expert's MLP; and
+    the activation scaled by the router's probability, fc2's input), the shared expert's MLP (with
+    its gate: the MLP's output and the gate's sigmoid, which their product saves); and
     the routing: the stable top-k's sort indices [E], the expert-major argsort [E] and the row
     maps [2k] in int64, the top-k's softmax [k] in fp32, the rows' probabilities [k], the
     load-balancing loss's fp32 softmax [E] (its own top-k's indices are freed in the forward),
     the z-loss's logits [E] and log-sum-exp."""
     e, k, experts, rb = shape.param_bytes, shape.topk, shape.experts, shape.router_bytes
     rows = k * (shape.hidden + _mlp_elements(shape, shape.expert_ffn) + shape.expert_ffn) * e
-    shared = _mlp_elements(shape, shape.shared_ffn) * e
+    shared = (_mlp_elements(shape, shape.shared_ffn) + (shape.hidden + 1 if shape.shared_gate else 0)) * e
     routing = (2 * experts + 2 * k) * 8 + k * 4 + k * rb
     losses = (experts * 4 if shape.load_balancing_loss else 0) + ((experts + 1) * rb if shape.z_loss else 0)
     return shape.hidden * e + rows + shared + routing + losses

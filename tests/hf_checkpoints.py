@@ -1,5 +1,6 @@
 """Tiny random Hugging Face checkpoints written by `transformers` inside the tests (nothing is
-downloaded): Qwen3 (dense), Qwen3-MoE and Qwen3.5 (hybrid, flat or nested in a vision-language config),
+downloaded): Qwen3 (dense), Qwen3-MoE, Qwen3.5 and Qwen3.5-MoE (hybrid, flat or nested in a
+vision-language config),
 with a small word-level tokenizer that has a chat template."""
 
 import json
@@ -79,28 +80,41 @@ def save_qwen3_moe(path: str, norm_topk_prob: bool = True, seed: int = 0) -> Non
     _save(Qwen3MoeForCausalLM(config), path, seed)
 
 
-def qwen35_text_config(**overrides):
+QWEN35_SIZES = dict(vocab_size=len(WORDS) + 3, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                    max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                     "partial_rotary_factor": 0.25})
+# Qwen3.5-MoE's MLPs: four experts of which two a token, and a gated shared expert
+QWEN35_MOE_SIZES = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+                        num_experts_per_tok=2)
+
+
+def qwen35_text_config(moe: bool = False, **overrides):
+    if moe:
+        from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+        return Qwen3_5MoeTextConfig(**{**QWEN35_SIZES, **QWEN35_MOE_SIZES, **overrides})
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-    values = dict(vocab_size=len(WORDS) + 3, hidden_size=64, intermediate_size=96,
-                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                  linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=256,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                   "partial_rotary_factor": 0.25})
-    return Qwen3_5TextConfig(**{**values, **overrides})
+    return Qwen3_5TextConfig(**{**QWEN35_SIZES, "intermediate_size": 96, **overrides})
 
 
 def save_qwen35(path: str, nested: bool = False, seed: int = 0, extra_tensors: dict | None = None,
-                tied: bool = False) -> None:
-    """`nested`: written as a vision-language `qwen3_5` config with the text model under
-    `model.language_model.` (the vision tower itself is left out of the tiny checkpoint)."""
+                tied: bool = False, moe: bool = False) -> None:
+    """`nested`: written as a vision-language `qwen3_5` (`qwen3_5_moe`) config with the text model
+    under `model.language_model.` (the vision tower itself is left out of the tiny checkpoint).
+    `moe`: Qwen3.5-MoE, its expert, router and shared-expert weights of order one."""
     from safetensors.torch import load_file, save_file
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 
-    model = Qwen3_5ForCausalLM(qwen35_text_config(tie_word_embeddings=tied))
+    causal_lm = Qwen3_5MoeForCausalLM if moe else Qwen3_5ForCausalLM
+    model = causal_lm(qwen35_text_config(moe, tie_word_embeddings=tied))
     _randomize(model, seed)
+    if moe:
+        _mlps_of_order_one(model, seed)
     model.save_pretrained(path)
     save_tokenizer(path)
     if not (nested or extra_tensors):
@@ -111,7 +125,8 @@ def save_qwen35(path: str, nested: bool = False, seed: int = 0, extra_tensors: d
         tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
         with open(os.path.join(path, "config.json")) as f:
             text_config = json.load(f)
-        config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+        config = {"model_type": "qwen3_5_moe" if moe else "qwen3_5",
+                  "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
                   "text_config": text_config, "vision_config": {"depth": 1}}
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(config, f)

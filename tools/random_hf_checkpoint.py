@@ -20,7 +20,8 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # Published config.json values (Qwen/Qwen3-0.6B, Qwen/Qwen3-4B, Qwen/Qwen3-30B-A3B; Qwen/Qwen3.5-2B's
-# and Qwen/Qwen3.5-9B's text_config).
+# and Qwen/Qwen3.5-9B's text_config; Qwen/Qwen3.5-35B-A3B's widths as transformers'
+# Qwen3_5MoeTextConfig documents them, its defaults, with the other Qwen3.5 presets' rope and context).
 PRESETS = {
     "qwen3-0.6b": dict(
         model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
@@ -47,6 +48,17 @@ PRESETS = {
         linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
         linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
         rms_norm_eps=1e-6, tie_word_embeddings=False, attn_output_gate=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                         "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                         "mrope_interleaved": True},
+    ),
+    "qwen3.5-35b-a3b": dict(
+        model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        num_experts=256, num_experts_per_tok=8, max_position_embeddings=262144, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, attn_output_gate=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                          "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
                          "mrope_interleaved": True},
@@ -117,7 +129,7 @@ def save_prompts(path: str, count: int, seed: int) -> None:
 def _depth(layers: int, preset: dict) -> int:
     """--num-hidden-layers, checked: a hybrid's depth keeps whole groups of three GDN layers and
     one attention layer."""
-    group = 4 if preset["model_type"] == "qwen3_5_text" else 1
+    group = 4 if preset["model_type"] in ("qwen3_5_text", "qwen3_5_moe_text") else 1
     if layers < group or layers % group:
         raise SystemExit(f"--num-hidden-layers {layers}: {preset['model_type']} needs a positive multiple of {group}")
     return layers

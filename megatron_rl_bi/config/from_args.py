@@ -154,6 +154,7 @@ def model_shape_from_args(args: argparse.Namespace, vocab_size: int) -> ModelSha
         experts=args.num_experts or 0, topk=args.moe_router_topk if args.num_experts else 0,
         expert_ffn=(args.moe_ffn_hidden_size or args.ffn_hidden_size) if args.num_experts else 0,
         shared_ffn=args.moe_shared_expert_intermediate_size or 0,
+        shared_gate=bool(args.moe_shared_expert_intermediate_size and args.moe_shared_expert_gate),
         router_bytes=4 if args.moe_router_dtype == "fp32" else param_bytes,
         load_balancing_loss=bool(args.num_experts) and _load_balancing_loss(args),
         z_loss=bool(args.num_experts and args.moe_z_loss_coeff),

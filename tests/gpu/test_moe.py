@@ -21,10 +21,11 @@ MOE_ARGS = ["--num-experts", "16", "--moe-router-topk", "4", "--moe-ffn-hidden-s
             "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2"]
 MODELS = {
     "dense-MoE": ["--num-layers", "4", *MOE_ARGS, *COMMON_ARGS],
+    # Qwen3.5-MoE's layers: its shared expert scaled by the sigmoid of its own gate
     "hybrid GDN-MoE": ["--hybrid-layer-pattern", "GEGE*E", "--linear-num-key-heads", "4",
                        "--linear-num-value-heads", "8", "--linear-key-head-dim", "64",
                        "--linear-value-head-dim", "64", "--linear-conv-kernel-dim", "4",
-                       *MOE_ARGS, *COMMON_ARGS],
+                       "--moe-shared-expert-gate", *MOE_ARGS, *COMMON_ARGS],
 }
 ENGINE = EngineConfig(max_requests=64, max_tokens=8192, max_sequence_length=1024,
                       buffer_size_gb=4.0, prompt_logprobs=True)

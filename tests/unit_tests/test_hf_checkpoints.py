@@ -33,12 +33,14 @@ SEQUENCES = [[1, 3, 48, 49, 9, 46, 10, 2, 1, 4], [7, 8, 9], [20, 21, 22, 23, 24,
 def _transformers_gdn_in_torch(monkeypatch):
     """transformers swaps in fla's kernels where fla is installed; the reference side of the
     comparison is its own torch code (fla's chunked kernels do not run in the interpreter)."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen35
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
-    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
-                 "causal_conv1d_fn", "causal_conv1d_update"):
-        function = getattr(qwen35, name)
-        monkeypatch.setattr(qwen35, name, getattr(function, "__wrapped__", function))
+    for module in (modeling_qwen3_5, modeling_qwen3_5_moe):
+        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+                     "causal_conv1d_fn", "causal_conv1d_update"):
+            function = getattr(module, name)
+            monkeypatch.setattr(module, name, getattr(function, "__wrapped__", function))
 
 
 @pytest.fixture
@@ -149,6 +151,32 @@ def test_qwen35_import_matches_transformers_and_round_trips(tmp_path, cpu_megatr
     load_hf_weights(model, hf)
     reference = hf.path
     if nested:  # transformers reads the text model of the exported (text-only) directory
+        export_hf(model, hf, str(tmp_path / "text"))
+        reference = str(tmp_path / "text")
+    assert_same_model(reference, model, hf.vocab_size)
+    assert_round_trip(model, hf, tmp_path / "out")
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_qwen35_moe_import_matches_transformers_and_round_trips(tmp_path, cpu_megatron, nested):
+    """Every MLP a mixture of experts ('E' after each mixer): experts, router, and the shared
+    expert with its sigmoid gate in place (weights of order one, so a swap shows)."""
+    from safetensors.torch import load_file
+
+    save_qwen35(str(tmp_path / "hf"), nested=nested, moe=True)
+    names = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    prefix = "model.language_model." if nested else "model."
+    assert {f"{prefix}layers.3.mlp.experts.3.down_proj.weight",
+            f"{prefix}layers.3.mlp.shared_expert_gate.weight"} <= set(names)
+    hf = read_hf_model(str(tmp_path / "hf"))
+    model, args = build(hf.path)
+    assert args.hybrid_layer_pattern == "GEGEGE*E"
+    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (4, 2, 32)
+    assert args.moe_shared_expert_intermediate_size == 48 and args.moe_shared_expert_gate
+    assert not args.moe_router_pre_softmax
+    load_hf_weights(model, hf)
+    reference = hf.path
+    if nested:
         export_hf(model, hf, str(tmp_path / "text"))
         reference = str(tmp_path / "text")
     assert_same_model(reference, model, hf.vocab_size)

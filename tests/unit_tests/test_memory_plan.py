@@ -48,10 +48,10 @@ BUILT = {
         "--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "48", "--num-attention-heads", "4",
         "--swiglu", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24",
         "--moe-layer-freq", "[1,0]"],
-    "hybrid GDN-MoE, top 1": [
+    "hybrid GDN-MoE, top 1, gated shared expert": [
         "--hybrid-layer-pattern", "GE*E", "--hidden-size", "32", "--ffn-hidden-size", "48", "--disable-bias-linear",
         "--num-attention-heads", "4", "--kv-channels", "8", "--num-experts", "3", "--moe-router-topk", "1",
-        "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size", "16",
+        "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate",
         "--linear-num-key-heads", "2", "--linear-num-value-heads", "4", "--linear-key-head-dim", "8",
         "--linear-value-head-dim", "8", "--linear-conv-kernel-dim", "4"],
 }

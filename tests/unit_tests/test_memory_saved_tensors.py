@@ -42,6 +42,12 @@ MODELS = {
                        "--linear-key-head-dim", "8", "--linear-value-head-dim", "8", "--linear-conv-kernel-dim", "4",
                        "--num-experts", "6", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "40",
                        "--moe-z-loss-coeff", "0.001"],
+    # Qwen3.5-MoE's MLP: a shared expert scaled by the sigmoid of its own gate
+    "hybrid GDN-MoE, gated shared expert": [
+        "--hybrid-layer-pattern", "GE*E", "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+        "--linear-key-head-dim", "8", "--linear-value-head-dim", "8", "--linear-conv-kernel-dim", "4",
+        "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "40",
+        "--moe-shared-expert-intermediate-size", "24", "--moe-shared-expert-gate"],
 }
 
 

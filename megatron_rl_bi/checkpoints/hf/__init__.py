@@ -89,11 +89,17 @@ def load_hf_weights(model: torch.nn.Module, hf: HFModel) -> None:
                        hf.path, len(skipped))
 
 
+# a nested (vision + text) family's text model: its model type and transformers' class
+_TEXT_MODELS = {"qwen3_5": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+                "qwen3_5_moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")}
+
+
 def _export_config(hf: HFModel) -> dict:
     """The config to write: a nested Qwen3.5 (vision + text) exports its text model alone."""
     if hf.text_config is hf.config:
         return hf.config
-    return {**hf.text_config, "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"]}
+    model_type, architecture = _TEXT_MODELS[hf.family]
+    return {**hf.text_config, "model_type": model_type, "architectures": [architecture]}
 
 
 @torch.no_grad()

@@ -5,9 +5,12 @@ in the layers `decoder_sparse_step` and `mlp_only_layers` name a mixture of expe
 router, softmax top-k, normalized when `norm_topk_prob`) and Qwen3.5 (`qwen3_5_text`, or
 `qwen3_5` whose nested `text_config` is used and whose vision tower is left out): a hybrid of
 Gated DeltaNet ('G') and gated full-attention ('*') mixers, each followed by a dense MLP ('-'),
-zero-centred RMSNorm weights, partial rotary embeddings. Features the mapping does not cover
-(Qwen3.5's MoE models, shared experts, sliding windows, rope scaling, attention biases, other
-activations) fail here with the key that says so, before any weight is read.
+zero-centred RMSNorm weights, partial rotary embeddings. Qwen3.5-MoE (`qwen3_5_moe_text`, or
+`qwen3_5_moe` with a `text_config`) is Qwen3.5 with every MLP a mixture of experts ('E'): the
+normalized softmax top-k, and a shared expert scaled by the sigmoid of its own gate. Features the
+mapping does not cover (shared experts outside Qwen3.5-MoE, sliding windows, rope scaling,
+attention biases, other activations) fail here with the key that says so, before any weight is
+read.
 """
 
 import os
@@ -15,7 +18,9 @@ from dataclasses import dataclass
 
 from megatron_rl_bi.jsonfile import read_object
 
-FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5")
+FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
 
 
 @dataclass(frozen=True)
@@ -33,7 +38,7 @@ class HFModel:
 
     @property
     def num_experts(self) -> int:
-        """Qwen3-MoE's experts a MoE layer: `num_experts` (the published configs) or
+        """The experts of a MoE layer: `num_experts` (the published configs) or
         `num_local_experts` (what transformers 5 writes)."""
         key = "num_experts" if "num_experts" in self.text_config else "num_local_experts"
         return self.positive(key, int)
@@ -71,12 +76,13 @@ def read_hf_model(path: str) -> HFModel:
     model_type = config.get("model_type")
     if model_type in ("qwen3", "qwen3_moe"):
         return HFModel(path, model_type, config, config)
-    if model_type == "qwen3_5_text":
-        return HFModel(path, "qwen3_5", config, config)
-    if model_type == "qwen3_5" and isinstance(config.get("text_config"), dict):
-        return HFModel(path, "qwen3_5", config["text_config"], config)
-    raise ValueError(f"{config_path}: model_type {model_type!r} is not supported "
-                     "(qwen3, qwen3_moe, qwen3_5_text, or qwen3_5 with a text_config)")
+    for family in HYBRID_FAMILIES:
+        if model_type == f"{family}_text":
+            return HFModel(path, family, config, config)
+        if model_type == family and isinstance(config.get("text_config"), dict):
+            return HFModel(path, family, config["text_config"], config)
+    raise ValueError(f"{config_path}: model_type {model_type!r} is not supported (qwen3, qwen3_moe, "
+                     "qwen3_5_text, qwen3_5_moe_text, or qwen3_5 / qwen3_5_moe with a text_config)")
 
 
 def _rope(model: HFModel) -> tuple[float, float]:
@@ -89,7 +95,7 @@ def _rope(model: HFModel) -> tuple[float, float]:
         raise ValueError(f"{model.path}/config.json: rope_type {rope_type!r} is not supported "
                          "(only the default rope)")
     theta = params.get("rope_theta", cfg.get("rope_theta"))
-    default_fraction = 0.25 if model.family == "qwen3_5" else 1.0
+    default_fraction = 0.25 if model.family in HYBRID_FAMILIES else 1.0
     fraction = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default_fraction))
     if theta is None or float(theta) != int(theta):
         raise ValueError(f"{model.path}/config.json: rope_theta {theta!r}: an integer is needed")
@@ -105,10 +111,10 @@ def _refuse_unsupported(model: HFModel) -> None:
         problems.append("attention_bias true")
     if cfg.get("use_sliding_window"):
         problems.append("use_sliding_window true")
-    if model.family != "qwen3_moe" and (cfg.get("num_experts") or cfg.get("num_local_experts")):
-        problems.append("a mixture of experts (num_experts) outside Qwen3-MoE: not supported yet")
-    if cfg.get("shared_expert_intermediate_size"):
-        problems.append("shared_expert_intermediate_size (a shared expert): not supported yet")
+    if model.family not in MOE_FAMILIES and (cfg.get("num_experts") or cfg.get("num_local_experts")):
+        problems.append("a mixture of experts (num_experts) outside Qwen3-MoE and Qwen3.5-MoE")
+    if model.family != "qwen3_5_moe" and cfg.get("shared_expert_intermediate_size"):
+        problems.append("shared_expert_intermediate_size (a shared expert) outside Qwen3.5-MoE")
     if problems:
         raise ValueError(f"{where}: not supported: " + "; ".join(problems))
 
@@ -120,9 +126,11 @@ def megatron_flags(model: HFModel) -> dict:
     theta, rotary_fraction = _rope(model)
     hidden, heads, kv_heads = (positive(key, int) for key in
                                ("hidden_size", "num_attention_heads", "num_key_value_heads"))
+    # Qwen3.5-MoE has no dense MLP; Megatron's --ffn-hidden-size is then the experts' width
+    dense_ffn = "intermediate_size" if model.family != "qwen3_5_moe" else "moe_intermediate_size"
     flags = dict(
         hidden_size=hidden,
-        ffn_hidden_size=positive("intermediate_size", int),
+        ffn_hidden_size=positive(dense_ffn, int),
         num_attention_heads=heads,
         group_query_attention=kv_heads != heads,
         num_query_groups=kv_heads,
@@ -147,6 +155,8 @@ def megatron_flags(model: HFModel) -> dict:
             flags.update(_qwen3_moe_flags(model))
     else:
         flags.update(_qwen3_5_flags(model))
+        if model.family == "qwen3_5_moe":
+            flags.update(_qwen3_5_moe_flags(model))
     return flags
 
 
@@ -159,17 +169,29 @@ def moe_layers(model: HFModel) -> list[bool]:
     return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
 
 
-def _qwen3_moe_flags(model: HFModel) -> dict:
+def _router_flags(model: HFModel, normalized_topk: bool) -> dict:
     """The router: top-k of the logits then a softmax over the k is the normalized top-k of the
-    softmax (`norm_topk_prob`); without it, the softmax over every expert, then the top-k."""
+    softmax; without normalization, the softmax over every expert, then the top-k."""
     return dict(
         num_experts=model.num_experts,
         moe_router_topk=model.positive("num_experts_per_tok", int),
         moe_ffn_hidden_size=model.positive("moe_intermediate_size", int),
-        moe_layer_freq=[int(moe) for moe in moe_layers(model)],
-        moe_router_pre_softmax=not model.text_config.get("norm_topk_prob", False),
+        moe_router_pre_softmax=not normalized_topk,
         moe_router_score_function="softmax",
     )
+
+
+def _qwen3_moe_flags(model: HFModel) -> dict:
+    return dict(_router_flags(model, model.text_config.get("norm_topk_prob", False)),
+                moe_layer_freq=[int(moe) for moe in moe_layers(model)])
+
+
+def _qwen3_5_moe_flags(model: HFModel) -> dict:
+    """Every layer's experts, always the normalized top-k; the shared expert's output times the
+    sigmoid of its gate (megatron-core's --moe-shared-expert-gate)."""
+    return dict(_router_flags(model, normalized_topk=True),
+                moe_shared_expert_intermediate_size=model.positive("shared_expert_intermediate_size", int),
+                moe_shared_expert_gate=True)
 
 
 def _qwen3_5_flags(model: HFModel) -> dict:
@@ -178,8 +200,9 @@ def _qwen3_5_flags(model: HFModel) -> dict:
     unknown = sorted(set(model.layer_types) - set(symbols))
     if unknown:
         raise ValueError(f"{model.path}/config.json: layer_types {unknown} are not supported")
+    mlp = "E" if model.family == "qwen3_5_moe" else "-"
     return dict(
-        hybrid_layer_pattern="".join(symbols[kind] + "-" for kind in model.layer_types),
+        hybrid_layer_pattern="".join(symbols[kind] + mlp for kind in model.layer_types),
         layernorm_zero_centered_gamma=True,  # Qwen3.5's RMSNorm scales by (1 + weight)
         attention_output_gate=cfg.get("attn_output_gate", True),
         **{key: model.positive(key, int) for key in ("linear_num_key_heads", "linear_num_value_heads",

@@ -5,8 +5,9 @@ tensor back. Layouts (read from Megatron-Bridge's Qwen bridges and megatron-core
 - attention `linear_qkv`: per query group g, [the group's query heads, (their output-gate heads
   when gated), its key head, its value head]; HF keeps q, k, v apart, and Qwen3.5's `q_proj`
   holds each head's query then its gate ([q_h, g_h] per head);
-- MLP `linear_fc1`: [gate_proj; up_proj], an expert's too (Qwen3-MoE's `mlp.experts.{e}.*`, its
-  router `mlp.gate` Megatron's `mlp.router`);
+- MLP `linear_fc1`: [gate_proj; up_proj], an expert's too (`mlp.experts.{e}.*`, the router
+  `mlp.gate` Megatron's `mlp.router`; Qwen3.5-MoE's `mlp.shared_expert.*` Megatron's
+  `mlp.shared_experts`, its `mlp.shared_expert_gate` the shared experts' `gate_weight`);
 - GDN `in_proj`: [q, k, v (HF's in_proj_qkv), z, beta (in_proj_b), alpha (in_proj_a)];
 - Qwen3.5 layer i is Megatron's hybrid layers 2i (the mixer) and 2i + 1 (the MLP);
 - embedding and output rows are padded to Megatron's padded vocabulary with zeros on import and
@@ -49,13 +50,19 @@ def _mlp(mg: str, hf: str) -> list[Rule]:
     ]
 
 
-def _moe(mg: str, hf: str, experts: int) -> list[Rule]:
+def _swiglu(ours: str, theirs: str) -> list[Rule]:
+    return [Rule(f"{ours}.linear_fc1.weight", (f"{theirs}.gate_proj.weight", f"{theirs}.up_proj.weight"), CONCAT),
+            Rule(f"{ours}.linear_fc2.weight", (f"{theirs}.down_proj.weight",))]
+
+
+def _moe(mg: str, hf: str, experts: int, gated_shared_expert: bool) -> list[Rule]:
     result = [Rule(f"{mg}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",)),
               Rule(f"{mg}.mlp.router.weight", (f"{hf}.mlp.gate.weight",))]
     for e in range(experts):
-        ours, theirs = f"{mg}.mlp.experts.local_experts.{e}", f"{hf}.mlp.experts.{e}"
-        result += [Rule(f"{ours}.linear_fc1.weight", (f"{theirs}.gate_proj.weight", f"{theirs}.up_proj.weight"), CONCAT),
-                   Rule(f"{ours}.linear_fc2.weight", (f"{theirs}.down_proj.weight",))]
+        result += _swiglu(f"{mg}.mlp.experts.local_experts.{e}", f"{hf}.mlp.experts.{e}")
+    if gated_shared_expert:
+        result += [*_swiglu(f"{mg}.mlp.shared_experts", f"{hf}.mlp.shared_expert"),
+                   Rule(f"{mg}.mlp.shared_experts.gate_weight", (f"{hf}.mlp.shared_expert_gate.weight",))]
     return result
 
 
@@ -85,7 +92,7 @@ def rules(model: HFModel, tied_embeddings: bool, final_norm: str) -> list[Rule]:
         hf = f"layers.{i}"
         if model.family in ("qwen3", "qwen3_moe"):
             mg = f"decoder.layers.{i}"
-            mlp = _moe(mg, hf, model.num_experts) if experts and experts[i] else _mlp(mg, hf)
+            mlp = _moe(mg, hf, model.num_experts, False) if experts and experts[i] else _mlp(mg, hf)
             result += [Rule(f"{mg}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",)),
                        *_attention(mg, hf, gated=False), *mlp]
             continue
@@ -95,7 +102,8 @@ def rules(model: HFModel, tied_embeddings: bool, final_norm: str) -> list[Rule]:
             result += _attention(mixer, hf, gated=model.text_config.get("attn_output_gate", True))
         else:
             result += _gdn(mixer, hf)
-        result += _mlp(f"decoder.layers.{2 * i + 1}", hf)
+        mlp = f"decoder.layers.{2 * i + 1}"
+        result += _moe(mlp, hf, model.num_experts, True) if model.family == "qwen3_5_moe" else _mlp(mlp, hf)
     return result
 
 
