@@ -59,7 +59,10 @@ def build_reference_model(args: argparse.Namespace, policy) -> torch.nn.Module:
     """Frozen copy of the starting policy (--hf-checkpoint, --pretrained-checkpoint or the initial
     weights), for --grpo-kl-beta > 0. Built before any resume, so a resumed run has the same
     reference."""
-    reference = build_model(args, args.padded_vocab_size)
+    # the policy's routers alone record routing (--moe-enable-routing-replay): the engine's
+    # record keeps one entry per recording layer
+    reference = build_model(argparse.Namespace(**{**vars(args), "moe_enable_routing_replay": False}),
+                            args.padded_vocab_size)
     reference.load_state_dict(policy.state_dict())
     reference.requires_grad_(False)
     return reference

@@ -107,16 +107,16 @@ def pack_sequences(sequences: list[list[int]], prompt_lengths: list[int] | None 
 def pack_token_values(
     values: list[torch.Tensor], batch: PackedBatch, fill: float = 0.0
 ) -> torch.Tensor:
-    """values[i][k] is the value for token k + 1 of sequence i (length len_i - 1) -> [T]."""
+    """values[i][k] is the value at position k < len_i - 1 of sequence i (a logprob: that of token
+    k + 1), a scalar or a tensor of any trailing shape -> [T, ...], `fill` at each last position."""
     if len(values) != batch.num_sequences:
         raise ValueError(f"{len(values)} value rows for {batch.num_sequences} sequences")
     rows = []
     for i, (row, length) in enumerate(zip(values, batch.sequence_lengths)):
         row = torch.as_tensor(row)
-        if row.numel() != length - 1:
-            raise ValueError(f"sequence {i}: {row.numel()} values for {length} tokens")
-        rows.append(torch.cat([row.reshape(-1),
-                               torch.full((1,), fill, dtype=row.dtype, device=row.device)]))
+        if row.dim() == 0 or row.shape[0] != length - 1:
+            raise ValueError(f"sequence {i}: {row.shape[0] if row.dim() else 0} values for {length} tokens")
+        rows.append(torch.cat([row, row.new_full((1, *row.shape[1:]), fill)]))
     return torch.cat(rows)
 
 
@@ -132,10 +132,19 @@ class PackedCompletions:
     batch: PackedBatch
     engine_logprobs: torch.Tensor  # [T] fp32, 0 where the engine reported nothing
     reported: torch.Tensor  # [T] bool: positions whose logprob the engine reported
+    engine_routing: torch.Tensor | None = None
+    """[T, MoE layers, k]: the experts the engine routed each position's token to (-1 where it
+    recorded none); None when no item carries routing."""
+    routed: torch.Tensor | None = None
+    """[T] bool: tokens the engine sampled, then ran (its routing recorded): the sampled tokens
+    but each sequence's last."""
 
     def to(self, device) -> "PackedCompletions":
+        def moved(tensor):
+            return None if tensor is None else tensor.to(device)
+
         return PackedCompletions(self.batch.to(device), self.engine_logprobs.to(device),
-                                 self.reported.to(device))
+                                 self.reported.to(device), moved(self.engine_routing), moved(self.routed))
 
 
 def pack_completions(items: list, device=None) -> PackedCompletions:
@@ -162,8 +171,29 @@ def pack_completions(items: list, device=None) -> PackedCompletions:
         written.append(by_environment)
     batch.completion = batch.completion & ~pack_token_values(written, batch)
     packed = PackedCompletions(batch, pack_token_values(values, batch),
-                               pack_token_values(reported, batch))
+                               pack_token_values(reported, batch), *_packed_routing(items, batch))
     return packed if device is None else packed.to(device)
+
+
+def _packed_routing(items: list, batch: PackedBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The engine's routing at each position ([T, layers, k], -1 where none) and the sampled
+    tokens whose routing it recorded ([T]); (None, None) when no item carries routing."""
+    shape = next((item.routing.shape[1:] for item in items if getattr(item, "routing", None) is not None), None)
+    if shape is None:
+        return None, None
+    rows, routed = [], []
+    for item in items:
+        length = len(item.prompt_tokens) + len(item.completion_tokens)
+        routing = getattr(item, "routing", None)
+        rows.append(torch.full((length - 1, *shape), -1, dtype=torch.int64) if routing is None
+                    else routing.to(torch.int64))
+        sampled = torch.zeros(length - 1, dtype=torch.bool)
+        if routing is not None:
+            completion = (torch.ones(len(item.completion_tokens), dtype=torch.bool) if item.completion_sampled is None
+                          else torch.tensor(item.completion_sampled, dtype=torch.bool))
+            sampled[len(item.prompt_tokens):] = completion[:-1]  # the last token was never run
+        routed.append(sampled)
+    return pack_token_values(rows, batch, fill=-1), pack_token_values(routed, batch)
 
 
 def micro_batches(items: list, max_tokens: int) -> list[list]:

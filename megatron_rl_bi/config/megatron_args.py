@@ -126,8 +126,12 @@ def moe_errors(args: argparse.Namespace, batch_invariant: bool) -> list[str]:
     expert parallelism 1, the allgather dispatcher, SequentialMLP experts, engine eager), and in
     BI mode what would make a token's routing depend on its batch."""
     if not args.num_experts:
-        return []
+        return (["--moe-enable-routing-replay without --num-experts: there is no routing to record"]
+                if args.moe_enable_routing_replay else [])
     errors = []
+    if args.moe_enable_routing_replay and args.inference_dynamic_batching_async_sched_mode == "async":
+        errors.append("--moe-enable-routing-replay with --inference-dynamic-batching-async-sched-mode "
+                      "async: megatron-core's engine records routing with synchronous steps only")
     for flag, value in (("--expert-model-parallel-size", args.expert_model_parallel_size),
                         ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size)):
         if value not in (None, 1):

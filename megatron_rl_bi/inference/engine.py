@@ -113,6 +113,9 @@ class Generation:
     """Per completion token of a conversation: sampled by the engine (True), or written by an
     environment between turns (False: context only, with no logprob, loss or parity); None:
     every completion token was sampled."""
+    routing: torch.Tensor | None = None
+    """[P + C - 1, MoE layers, k]: the experts each token the engine ran (all but the last) was
+    routed to, under --moe-enable-routing-replay; None otherwise."""
 
     @property
     def tokens(self) -> list[int]:
@@ -331,4 +334,5 @@ class Generator:
             prompt_logprobs=prompt_logprobs,
             stopped_on_eod=sampling.eod_id is not None and completion[-1:] == [sampling.eod_id],
             max_new_tokens=max_new_tokens,
+            routing=None if request.routing_indices is None else torch.from_numpy(request.routing_indices),
         )

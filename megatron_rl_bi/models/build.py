@@ -17,6 +17,7 @@ from megatron.training.vocab_utils import calculate_padded_vocab_size
 from megatron_rl_bi import bi, compat
 from megatron_rl_bi.models.gpt_spec import dense_gpt_block_spec
 from megatron_rl_bi.models.hybrid_spec import hybrid_stack_spec
+from megatron_rl_bi.models.moe import forget_routing_recorders, start_recording_routing
 from megatron_rl_bi.models.norm import RMSNorm
 from megatron_rl_bi.models.rope import use_fused_rope
 
@@ -37,6 +38,8 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
     # generator, which megatron-core's CUDA seeding leaves alone: seeded here, they follow --seed
     # and not whatever drew from that generator earlier in the process.
     torch.random.default_generator.manual_seed(args.seed)
+    if args.moe_enable_routing_replay:
+        forget_routing_recorders()
     common = dict(
         config=config,
         vocab_size=args.padded_vocab_size,
@@ -61,6 +64,8 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
             **common,
         )
     model.to(torch.cuda.current_device())
+    if args.moe_enable_routing_replay:
+        start_recording_routing()
     if args.bf16 or args.fp16:
         model = Float16Module(config, model)
     return model

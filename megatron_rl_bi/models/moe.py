@@ -26,6 +26,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_default_pg_collection
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 from torch.overrides import TorchFunctionMode
@@ -179,6 +180,28 @@ def router_loss_sums() -> dict[str, float]:
             for name, entry in tracker.metrics.items() if entry.values.any()}
     tracker.clear()
     return sums
+
+
+def start_recording_routing() -> None:
+    """Every router built with --moe-enable-routing-replay records the experts it chooses at each
+    forward, the engine's and the trainer's (megatron-core's RouterReplay; its routers are listed
+    process-wide, so one model records: `forget_routing_recorders` before building it)."""
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+
+
+def forget_routing_recorders() -> None:
+    """Drops the routers of models built before (a model built next records alone)."""
+    RouterReplay.clear_global_router_replay_instances()
+
+
+def recorded_routing() -> torch.Tensor | None:
+    """The experts each MoE layer's router chose in the last forward, [tokens, MoE layers, k]
+    in layer order, or None when a layer recorded nothing; the records are cleared."""
+    recorded = RouterReplay.get_recorded_data()
+    RouterReplay.clear_global_indices()
+    if not recorded or any(indices is None for indices in recorded):
+        return None
+    return torch.stack(recorded, dim=1)
 
 
 def moe_mlp(linear_fc1: type, linear_fc2: type):

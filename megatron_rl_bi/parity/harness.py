@@ -12,7 +12,7 @@ import torch
 from megatron_rl_bi.inference import Generation, Generator, Sampling
 from megatron_rl_bi.models.logprobs import forward_logprobs
 from megatron_rl_bi.packing import micro_batches, pack_completions
-from megatron_rl_bi.parity.metrics import parity_metrics
+from megatron_rl_bi.parity.metrics import RoutingCompared, parity_metrics, routing_terms
 
 
 def random_requests(
@@ -39,23 +39,31 @@ def trainer_vs_engine(
     temperature: float = 1.0,
 ) -> dict[str, torch.Tensor]:
     """Packed per-position tensors (CPU): trainer logprobs at the sampling `temperature` and the
-    engine's, the engine-reported mask and the completion mask."""
+    engine's, the engine-reported mask and the completion mask; for a MoE model under
+    --moe-enable-routing-replay also both sides' routing and the tokens it compares
+    (RoutingCompared.tensors)."""
     parts = {"train": [], "engine": [], "reported": [], "completion": []}
+    routing = RoutingCompared()
     model.train()
     for group in micro_batches(generations, micro_batch_tokens):
         packed = pack_completions(group)
         logprobs, _ = forward_logprobs(model, packed.batch.to("cuda"), temperature=temperature)
+        routing.add(packed)
         parts["train"].append(logprobs.detach().cpu())
         parts["engine"].append(packed.engine_logprobs)
         parts["reported"].append(packed.reported)
         parts["completion"].append(packed.batch.completion)
-    return {name: torch.cat(tensors) for name, tensors in parts.items()}
+    return {**{name: torch.cat(tensors) for name, tensors in parts.items()}, **routing.tensors()}
 
 
 def _metrics(compared: dict[str, torch.Tensor]) -> dict:
+    """bit_wise/* over every reported token (and routing/* when compared), and over the
+    completions' alone."""
     train, engine, reported = compared["train"], compared["engine"], compared["reported"]
+    routing = (routing_terms(compared["train_routing"], compared["engine_routing"], compared["routed"]).finalize()
+               if "routed" in compared else {})
     return {
-        "all_reported": parity_metrics(train, engine, reported),
+        "all_reported": parity_metrics(train, engine, reported) | routing,
         "completion_only": parity_metrics(train, engine, reported & compared["completion"]),
     }
 

@@ -1,4 +1,5 @@
-"""Trainer-vs-engine logprob comparison: the `bit_wise/*` metrics.
+"""Trainer-vs-engine comparison: logprobs (the `bit_wise/*` metrics) and, for MoE models under
+--moe-enable-routing-replay, the experts each token was routed to (`routing/*`).
 
 Compared in the trainer's logprob dtype (fp32 from `bi.selective_log_softmax`, so stricter than
 a bf16 comparison): the engine's logprobs are cast to it, and only positions the engine actually
@@ -12,12 +13,16 @@ import math
 import torch
 
 from megatron_rl_bi.distributed import MetricTerms
+from megatron_rl_bi.models.moe import recorded_routing
 
 MEAN = "bit_wise/logprob_diff/mean"
 ABS_MEAN = "bit_wise/logprob_diff/abs_mean"
 MAX = "bit_wise/logprob_diff/max"
 RATIO_DIFFERENT = "bit_wise/ratio_tokens_different"
 TOKENS = "bit_wise/tokens"
+ROUTING_TOKENS = "routing/tokens"
+ROUTING_TOKENS_DIFFERENT = "routing/ratio_tokens_different"
+ROUTING_DIFFERENT = "routing/ratio_different"
 
 
 def parity_terms(
@@ -56,3 +61,53 @@ def parity_metrics(
 ) -> dict[str, float]:
     """`parity_terms` of one process, as metrics."""
     return parity_terms(train_logprobs, engine_logprobs, reported_mask).finalize()
+
+
+def routing_terms(train_routing: torch.Tensor, engine_routing: torch.Tensor, routed: torch.Tensor) -> MetricTerms:
+    """train_routing, engine_routing: [T, MoE layers, k] expert indices; routed: [T] bool, the
+    tokens compared. A token's routing differs in a layer when its set of k experts does (the
+    order the k come in is not compared). The fraction of tokens that differ in any layer, of
+    (token, layer) pairs that differ, and of tokens in each layer (`routing/layer_<i>/...`, the
+    i-th MoE layer from 0), and the count compared."""
+    if not (train_routing.shape == engine_routing.shape and train_routing.shape[:1] == routed.shape):
+        raise ValueError("routing_terms needs routing of equal shapes [T, layers, k] and a [T] mask, got "
+                         f"{tuple(train_routing.shape)}, {tuple(engine_routing.shape)}, {tuple(routed.shape)}")
+    mask = routed.detach().cpu().bool()
+    train, engine = (r.detach().cpu()[mask].sort(dim=-1).values for r in (train_routing, engine_routing))
+    differs = (train != engine).any(dim=-1)  # [tokens, layers]
+    tokens, layers = differs.shape
+    means = {ROUTING_TOKENS_DIFFERENT: (differs.any(dim=1).sum().item(), tokens),
+             ROUTING_DIFFERENT: (differs.sum().item(), tokens * layers)}
+    means.update({f"routing/layer_{i}/ratio_different": (differs[:, i].sum().item(), tokens) for i in range(layers)})
+    return MetricTerms(means=means, sums={ROUTING_TOKENS: tokens})
+
+
+class RoutingCompared:
+    """The trainer's routing (recorded by the forward just run) beside the engine's, collected
+    over micro-batches and compared once; nothing when the engine recorded none."""
+
+    def __init__(self):
+        self.train, self.engine, self.routed = [], [], []
+
+    def add(self, packed) -> None:
+        """`packed`: the PackedCompletions of the forward just run."""
+        if packed.engine_routing is None:
+            return
+        train = recorded_routing()
+        if train is None:
+            raise RuntimeError("the engine recorded routing but the trainer's forward did not "
+                               "(--moe-enable-routing-replay: one model records)")
+        self.train.append(train.detach())
+        self.engine.append(packed.engine_routing)
+        self.routed.append(packed.routed)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """{"train_routing", "engine_routing", "routed"} on the CPU, or {} when none was added."""
+        if not self.train:
+            return {}
+        return {name: torch.cat(part).cpu() for name, part in
+                (("train_routing", self.train), ("engine_routing", self.engine), ("routed", self.routed))}
+
+    def terms(self) -> MetricTerms:
+        compared = self.tensors()
+        return routing_terms(**compared) if compared else MetricTerms()

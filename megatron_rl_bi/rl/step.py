@@ -23,7 +23,7 @@ from megatron_rl_bi.packing import (
     pack_token_values,
     unpack_token_values,
 )
-from megatron_rl_bi.parity import parity_terms
+from megatron_rl_bi.parity import RoutingCompared, parity_terms
 from megatron_rl_bi.rl.losses import LossConfig, LossInputs, policy_loss, token_weights
 from megatron_rl_bi.rl.old_weights import KeptWeights
 from megatron_rl_bi.rl.rollouts import Rollout
@@ -52,11 +52,14 @@ class _Compared:
     def __init__(self, weight_version: int | None = None):
         self.weight_version = weight_version
         self.train, self.engine, self.reported, self.fresh = [], [], [], []
+        self.routing = RoutingCompared()
 
     def add(self, logprobs: torch.Tensor, packed: PackedCompletions, rollouts: list[Rollout]) -> None:
+        """Right after the forward that computed `logprobs` (the routing it recorded is read)."""
         self.train.append(logprobs.detach())
         self.engine.append(packed.engine_logprobs)
         self.reported.append(packed.reported)
+        self.routing.add(packed)
         # On the CPU, where terms() compares: a device tensor here would cost a sync per micro-batch.
         fresh = torch.tensor([self.weight_version in (None, r.weight_version) for r in rollouts])
         self.fresh.append(fresh.repeat_interleave(torch.tensor([len(r.tokens) for r in rollouts])))
@@ -66,7 +69,7 @@ class _Compared:
             return parity_terms(torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool))
         train, engine, reported, fresh = (torch.cat(part).cpu() for part in
                                           (self.train, self.engine, self.reported, self.fresh))
-        terms = parity_terms(train, engine, reported)
+        terms = parity_terms(train, engine, reported).update(self.routing.terms())
         if not fresh.all():
             for prefix, subset in (("bit_wise_fresh/", fresh), ("bit_wise_stale/", ~fresh)):
                 terms.update(_renamed(parity_terms(train, engine, reported & subset), prefix))

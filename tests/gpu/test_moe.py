@@ -1,7 +1,8 @@
 """Mixture-of-experts models (models/moe.py) on the GPU, dense-MoE and hybrid GDN-MoE. BI mode:
 a MoE layer's rows get the same bits alone and in any batch, its backward repeats its bits, and
-engine logprobs == trainer logprobs before and after an optimizer step. Default mode (megatron-core's
-own top-k and scatter-add combine): the harness sees a mismatch."""
+engine logprobs == trainer logprobs before and after an optimizer step, and no token's experts
+differ between them (`routing/*`). Default mode (megatron-core's own top-k and scatter-add
+combine): the harness sees a mismatch, in logprobs and in routing."""
 
 import pytest
 import torch
@@ -96,6 +97,26 @@ def test_default_mode_sees_a_mismatch(model):
         result = run_parity(default, Generator(default, ENGINE), prompts, budgets,
                             Sampling(temperature=1.0, seed=11), micro_batch_tokens=6000, orders=1)
     assert result["all_reported"]["bit_wise/logprob_diff/abs_mean"] > 0
+
+
+def test_routing_differs_between_engine_and_trainer_in_default_mode_only(model):
+    """--moe-enable-routing-replay: the engine's and the trainer's expert sets for the same
+    requests (`routing/*`): 0 tokens differ in BI mode by construction; in default mode some do."""
+    from megatron_rl_bi.models.moe import forget_routing_recorders
+
+    name, bi_model = model
+    prompts, budgets = random_requests(32, (1, 500), (1, 256), VOCAB_SIZE, seed=11)
+    routing = {}
+    for batch_invariant in (True, False):
+        with bi.batch_invariant(batch_invariant):
+            recording = build(MODELS[name], batch_invariant, ["--moe-enable-routing-replay"], seed=0)
+            recording.load_state_dict(bi_model.state_dict())
+            result = run_parity(recording, Generator(recording, ENGINE), prompts, budgets,
+                                Sampling(temperature=1.0, seed=11), micro_batch_tokens=6000, orders=1)
+            routing[batch_invariant] = result["all_reported"]
+    forget_routing_recorders()
+    assert routing[True]["routing/tokens"] > 1000 and routing[True]["routing/ratio_tokens_different"] == 0
+    assert routing[False]["routing/ratio_tokens_different"] > 0, routing[False]
 
 
 def test_the_models_training_step_repeats_its_bits(model, distributed):

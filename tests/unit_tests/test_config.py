@@ -252,6 +252,8 @@ MOE = ("--num-experts", "4", "--moe-router-topk", "2")
     (("--cuda-graph-impl", "local", "--inference-cuda-graph-scope", "block"),
      "--cuda-graph-impl local with --num-experts: the engine runs MoE models eagerly"),
     (("--moe-shared-expert-intermediate-size", "8"), "--moe-shared-expert-intermediate-size with biases"),
+    (("--moe-enable-routing-replay", "--inference-dynamic-batching-async-sched-mode", "async"),
+     "--moe-enable-routing-replay with --inference-dynamic-batching-async-sched-mode async"),
 ])
 def test_a_moe_run_that_cannot_work_is_refused_naming_the_flag(flags, error):
     assert error in errors_for(*MOE, *flags)
@@ -269,8 +271,13 @@ def test_what_makes_routing_depend_on_the_batch_is_refused_in_bi_mode_only(flags
     parse_args(MODEL + [*MOE, *flags])  # default mode takes them
 
 
+def test_routing_replay_without_experts_is_refused():
+    assert "--moe-enable-routing-replay without --num-experts" in errors_for("--moe-enable-routing-replay")
+
+
 def test_a_plain_moe_run_is_accepted_in_both_modes():
     from megatron_rl_bi.config.megatron_args import moe_errors
 
-    args = parse_args(MODEL + [*MOE, "--moe-shared-expert-intermediate-size", "8", "--disable-bias-linear"])
+    args = parse_args(MODEL + [*MOE, "--moe-shared-expert-intermediate-size", "8", "--disable-bias-linear",
+                               "--moe-enable-routing-replay"])
     assert moe_errors(args, batch_invariant=True) == moe_errors(args, batch_invariant=False) == []

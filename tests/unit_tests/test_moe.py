@@ -260,3 +260,24 @@ def test_the_routers_initial_weights_follow_the_seed_alone(cpu_training):
     torch.rand(7)  # anything else drawing from the generator in between
     assert torch.equal(router_weights(5), first)
     assert not torch.equal(router_weights(6), first)
+
+
+def test_routers_record_the_experts_they_chose_for_routing_metrics(moe_layer):
+    """--moe-enable-routing-replay: each forward's chosen experts, read once, in the layer's
+    order ([tokens, layers, k]); a router built before `forget_routing_recorders` records no more."""
+    moe.forget_routing_recorders()
+    stale = moe_layer(moe_enable_routing_replay=True)
+    moe.forget_routing_recorders()
+    layer = moe_layer(moe_enable_routing_replay=True)
+    moe.start_recording_routing()
+    tokens = tied_tokens(5)
+    with bi.batch_invariant(True):
+        _, routing_map = layer.router(tokens)
+        recorded = moe.recorded_routing()
+        assert recorded.shape == (5, 1, TOPK)
+        assert [sorted(row) for row in recorded[:, 0].tolist()] == [
+            row.nonzero().flatten().tolist() for row in routing_map]
+        assert moe.recorded_routing() is None  # read once
+        stale.router(tokens)
+        assert moe.recorded_routing() is None  # the forgotten router is not asked
+    moe.forget_routing_recorders()

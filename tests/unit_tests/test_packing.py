@@ -105,3 +105,26 @@ def test_environment_tokens_of_a_conversation_are_context_only():
     assert packed.reported.tolist() == [False, True, True, False, False, True, False]
     assert packed.engine_logprobs.tolist() == [0.0, -0.25, -0.5, 0.0, 0.0, -0.75, 0.0]
     assert conversation.sampled_tokens == 3
+
+
+def test_engine_routing_lands_at_each_tokens_position_and_sampled_tokens_are_compared():
+    """Routing [P + C - 1, layers, k] is that of the tokens the engine ran, in order: position k
+    of the packed sequence holds token k's; the compared tokens are the sampled ones the engine
+    then ran (not a prompt token, not an environment's, not the last)."""
+    from megatron_rl_bi.inference import Generation
+    from megatron_rl_bi.packing import pack_completions
+
+    def routing(length):
+        return torch.arange(length * 2).reshape(length, 1, 2)
+
+    single = Generation(prompt_tokens=[1, 2], completion_tokens=[3, 4, 5], completion_logprobs=[0.0] * 3,
+                        routing=routing(4))
+    talk = Generation(prompt_tokens=[6], completion_tokens=[7, 8, 9, 10], completion_logprobs=[0.0] * 4,
+                      completion_sampled=[True, False, True, True], routing=routing(4))
+    unrecorded = Generation(prompt_tokens=[11], completion_tokens=[12], completion_logprobs=[0.0])
+    packed = pack_completions([single, talk, unrecorded])
+    assert packed.engine_routing.shape == (12, 1, 2)
+    assert packed.engine_routing[:, 0, 0].tolist() == [0, 2, 4, 6, -1, 0, 2, 4, 6, -1, -1, -1]
+    assert packed.routed.tolist() == [False, False, True, True, False,
+                                      False, True, False, True, False, False, False]
+    assert pack_completions([unrecorded]).engine_routing is None

@@ -64,3 +64,38 @@ def test_non_finite_values():
 def test_shape_mismatch_is_an_error():
     with pytest.raises(ValueError, match="equal shapes"):
         parity_metrics(torch.zeros(3), torch.zeros(2), torch.ones(3, dtype=torch.bool))
+
+
+def test_routing_sets_compared_by_hand_per_layer_and_over_tokens():
+    from megatron_rl_bi.parity import routing_terms
+
+    # 4 tokens, 2 MoE layers, top 2; token 3 is not compared
+    train = torch.tensor([[[0, 1], [2, 3]], [[1, 2], [0, 3]], [[3, 0], [1, 2]], [[0, 1], [0, 1]]])
+    engine = torch.tensor([[[1, 0], [2, 3]],   # the same sets in another order: equal
+                           [[1, 2], [0, 2]],   # layer 1 differs
+                           [[2, 0], [1, 3]],   # both layers differ
+                           [[2, 3], [2, 3]]])  # differs, but not compared
+    routed = torch.tensor([True, True, True, False])
+    m = routing_terms(train, engine, routed).finalize()
+    assert m["routing/tokens"] == 3
+    assert m["routing/ratio_tokens_different"] == pytest.approx(2 / 3)
+    assert m["routing/ratio_different"] == pytest.approx(3 / 6)
+    assert m["routing/layer_0/ratio_different"] == pytest.approx(1 / 3)
+    assert m["routing/layer_1/ratio_different"] == pytest.approx(2 / 3)
+    same = routing_terms(train, train.flip(-1), routed).finalize()
+    assert same["routing/ratio_tokens_different"] == same["routing/ratio_different"] == 0.0
+    with pytest.raises(ValueError, match="routing of equal shapes"):
+        routing_terms(train, engine[:, :1], routed)
+
+
+def test_engine_routing_without_the_trainers_is_an_error(monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron_rl_bi.parity import RoutingCompared, metrics
+
+    compared = RoutingCompared()
+    compared.add(SimpleNamespace(engine_routing=None))  # no routing recorded: nothing compared
+    assert compared.terms().finalize() == {}
+    monkeypatch.setattr(metrics, "recorded_routing", lambda: None)
+    with pytest.raises(RuntimeError, match="the engine recorded routing but the trainer's forward did not"):
+        compared.add(SimpleNamespace(engine_routing=torch.zeros(2, 1, 2), routed=torch.ones(2, dtype=torch.bool)))
