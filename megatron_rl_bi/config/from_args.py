@@ -7,6 +7,7 @@ from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 
 from megatron_rl_bi.envs.environment import build_environment
+from megatron_rl_bi.envs.retrieval import RemoteRetriever
 from megatron_rl_bi.envs.sandbox import SandboxConfig, base_interpreter
 from megatron_rl_bi.inference import EngineConfig, Sampling
 from megatron_rl_bi.memory import EngineShape, GIB, Levers, ModelShape, Recompute, RunShape
@@ -53,12 +54,19 @@ def rollout_config_from_args(args: argparse.Namespace, task=None) -> RolloutConf
         overlong_penalty=args.rl_overlong_penalty,
         normalize_std=not args.rl_no_advantage_std,
         environment=(build_environment(args.rl_env, task, args.rl_search_corpus, args.rl_search_top_k,
-                                       code_sandbox_from_args(args))
+                                       code_sandbox_from_args(args), search_server_from_args(args))
                      if args.rl_env else None),
         turns=TurnConfig(max_turns=args.rl_max_turns, max_context_tokens=args.rl_max_context_tokens,
                          observation_tokens=args.rl_tool_output_tokens, env_timeout_s=args.rl_env_timeout,
                          tool_format=args.rl_tool_format),
     )
+
+
+def search_server_from_args(args: argparse.Namespace) -> RemoteRetriever | None:
+    """--rl-search-url's client, or None."""
+    if not args.rl_search_url:
+        return None
+    return RemoteRetriever(args.rl_search_url, timeout_s=args.rl_search_timeout, retries=args.rl_search_retries)
 
 
 def code_sandbox_from_args(args: argparse.Namespace) -> SandboxConfig:

@@ -121,6 +121,15 @@ def add_multi_turn_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--rl-search-corpus", default=None,
                        help="--rl-env search: the JSONL corpus ('contents' or 'text' a line; default: "
                        "the task's own, for --rl-task lookup)")
+    group.add_argument("--rl-search-url", default=None, metavar="URL",
+                       help="--rl-env search: a retrieval server in Search-R1's protocol (POST URL, e.g. "
+                       "http://host:8000/retrieve; tools/retrieval_server.py serves one) instead of a "
+                       "corpus of this process's own")
+    group.add_argument("--rl-search-timeout", type=float, default=10.0,
+                       help="--rl-search-url: seconds one request may take before it is retried")
+    group.add_argument("--rl-search-retries", type=int, default=3,
+                       help="--rl-search-url: retries of a failed request (waiting 0.5 s, then twice as "
+                       "long each time); then its samples score 0 and are counted as environment failures")
     group.add_argument("--rl-search-top-k", type=int, default=3, help="--rl-env search: passages a search returns")
     group.add_argument("--rl-code-time-limit", type=float, default=5.0,
                        help="--rl-env code: seconds a program may run (wall clock; CPU time likewise)")
@@ -316,7 +325,7 @@ def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
 AT_LEAST_ONE = ("grpo_prompts_per_step", "grpo_iterations", "rl_max_new_tokens", "rl_micro_batch_tokens",
                 "train_iters", "rl_sft_batch_size", "rl_dynamic_sampling_max_rounds", "rl_max_turns",
                 "rl_tool_output_tokens", "rl_search_top_k", "rl_code_memory_mb")
-NOT_NEGATIVE = ("rl_sft_warmup_steps", "rl_keep_last_k", "rl_keep_old_weights", "rl_sft_lr", "rl_overlong_penalty",
+NOT_NEGATIVE = ("rl_search_retries", "rl_sft_warmup_steps", "rl_keep_last_k", "rl_keep_old_weights", "rl_sft_lr", "rl_overlong_penalty",
                 "save_hf_interval", "eval_interval", "exit_interval", "exit_duration_in_mins")
 
 
@@ -421,8 +430,15 @@ def multi_turn_errors(args: argparse.Namespace) -> list[str]:
     errors = []
     if args.rl_tool_format == "chat" and not args.rl_env:
         errors.append("--rl-tool-format chat writes an environment's tool calls: it needs --rl-env")
-    if args.rl_search_corpus and args.rl_env != "search":
-        errors.append("--rl-search-corpus is read by --rl-env search only")
+    errors += [f"{flag} is read by --rl-env search only" for flag, value in
+               (("--rl-search-corpus", args.rl_search_corpus), ("--rl-search-url", args.rl_search_url))
+               if value and args.rl_env != "search"]
+    if args.rl_search_corpus and args.rl_search_url:
+        errors.append("--rl-search-corpus and --rl-search-url: give one (a corpus searched here, or a server)")
+    if args.rl_search_url and not args.rl_search_url.startswith(("http://", "https://")):
+        errors.append(f"--rl-search-url {args.rl_search_url}: expected an http:// or https:// URL")
+    if not args.rl_search_timeout > 0:
+        errors.append(f"--rl-search-timeout must be > 0 seconds, got {args.rl_search_timeout}")
     errors += [f"{flag} is read by --rl-env code only" for flag, value in
                (("--rl-code-python", args.rl_code_python), ("--rl-code-without-isolation", args.rl_code_without_isolation))
                if value and args.rl_env != "code"]

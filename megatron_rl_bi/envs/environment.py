@@ -23,24 +23,29 @@ from dataclasses import dataclass
 from megatron_rl_bi.envs.code import code_environment
 from megatron_rl_bi.envs.plugins import load_plugin
 from megatron_rl_bi.envs.sandbox import SandboxConfig
-from megatron_rl_bi.envs.search import read_corpus, search_environment
+from megatron_rl_bi.envs.retrieval import RemoteRetriever
+from megatron_rl_bi.envs.search import Retriever, read_corpus, search_environment
 
 FAILED, TIMED_OUT = "env_failures", "env_timeouts"
 
 
 def build_environment(spec: str, task, search_corpus: str | None = None, search_top_k: int = 3,
-                      code_sandbox: SandboxConfig | None = None) -> type:
-    """The environment class of --rl-env: the built-in 'search' (over --rl-search-corpus, or the
-    task's own corpus) or 'code' (programs run in `code_sandbox`), or a user's class."""
+                      code_sandbox: SandboxConfig | None = None,
+                      search_server: RemoteRetriever | None = None) -> type:
+    """The environment class of --rl-env: the built-in 'search' (a retrieval server's, or BM25 over
+    --rl-search-corpus or the task's own corpus) or 'code' (programs run in `code_sandbox`), or a
+    user's class."""
     if spec == "code":
         return code_environment(code_sandbox or SandboxConfig())
     if spec != "search":
         return load_environment(spec)
+    if search_server is not None:
+        return search_environment(search_server, search_top_k)
     passages = read_corpus(search_corpus) if search_corpus else getattr(task, "corpus", None)
     if passages is None:
-        raise ValueError("--rl-env search needs --rl-search-corpus FILE (or a task with its own corpus, "
-                         "--rl-task lookup)")
-    return search_environment(passages, search_top_k)
+        raise ValueError("--rl-env search needs --rl-search-corpus FILE or --rl-search-url URL (or a "
+                         "task with its own corpus, --rl-task lookup)")
+    return search_environment(Retriever(passages), search_top_k)
 
 
 def load_environment(spec: str) -> type:

@@ -5,7 +5,8 @@ exact match after Search-R1's normalization (verifiers.verify_exact_match) again
 accepted answers; a turn with neither is told so and the conversation goes on (envs.actions).
 
 The corpus is `--rl-search-corpus FILE` (JSONL, one passage a line: "contents" or "text"), or,
-without it, the task's own corpus (the built-in `--rl-task lookup`).
+without it, the task's own corpus (the built-in `--rl-task lookup`); or the searches go to a
+retrieval server, `--rl-search-url URL` (envs.retrieval).
 """
 
 from megatron_rl_bi import compat
@@ -41,11 +42,15 @@ class Retriever:
 
     def search(self, query: str, k: int) -> list[str]:
         """The `k` best passages for `query`, best first (fewer when the corpus is smaller)."""
+        return [self.passages[i] for i, _ in self.scored(query, k)]
+
+    def scored(self, query: str, k: int) -> list[tuple[int, float]]:
+        """(passage index, BM25 score) of the `k` best passages for `query`, best first."""
         tokens = self.bm25s.tokenize([query], stopwords="en", show_progress=False)
         if not tokens.vocab:  # only stop words, or nothing: nothing to match
             return []
-        ids, _ = self.index.retrieve(tokens, k=min(k, len(self.passages)), show_progress=False)
-        return [self.passages[i] for i in ids[0]]
+        ids, scores = self.index.retrieve(tokens, k=min(k, len(self.passages)), show_progress=False)
+        return [(int(i), float(score)) for i, score in zip(ids[0], scores[0])]
 
 
 ACTIONS = ("<search>query</search>", "<answer>answer</answer>")
@@ -84,6 +89,7 @@ def information(passages: list[str]) -> str:
     return f"\n<information>{found}</information>\n"
 
 
-def search_environment(passages: list[str], top_k: int) -> type:
-    """The environment class over `passages`: their index is built here, once."""
-    return type("SearchEnvironment", (SearchEnvironment,), {"retriever": Retriever(passages), "top_k": top_k})
+def search_environment(retriever, top_k: int) -> type:
+    """The environment class searching with `retriever` (anything with search(query, k): a
+    Retriever, built once, or a RemoteRetriever)."""
+    return type("SearchEnvironment", (SearchEnvironment,), {"retriever": retriever, "top_k": top_k})

@@ -55,7 +55,8 @@ def _known_flags() -> set[str]:
                _module("bench/suite.py").build_parser(),
                _module("tools/plot_metrics.py").build_parser(), _module("tools/source_hash.py").build_parser(),
                _module("tools/results_docs.py").build_parser(), _module("tools/memory_plan.py").build_parser(),
-               _module("tools/random_hf_checkpoint.py").build_parser(), _module("bench/memory.py").build_parser(),
+               _module("tools/random_hf_checkpoint.py").build_parser(),
+               _module("tools/retrieval_server.py").build_parser(), _module("bench/memory.py").build_parser(),
                _module("bench/optimizer_offload.py").build_parser()]
     return {flag for parser in parsers for action in parser._actions for flag in action.option_strings}
 

@@ -83,7 +83,9 @@ def test_qwen3_moe_layers_router_and_sizes_by_hand(tmp_path):
 @pytest.mark.parametrize("config, problem", [
     ({**QWEN3_MOE, "shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size .a shared expert."),
     ({**QWEN3, "num_experts": 8}, "a mixture of experts .num_experts. outside Qwen3-MoE"),
-    ({**QWEN3_5, "model_type": "qwen3_5_moe_text"}, "model_type 'qwen3_5_moe_text' is not supported"),
+    ({**QWEN3_5, "num_experts": 8}, "a mixture of experts .num_experts. outside Qwen3-MoE and Qwen3.5-MoE"),
+    # Qwen3.5-MoE without its experts' sizes
+    ({**QWEN3_5, "model_type": "qwen3_5_moe_text"}, "missing key 'moe_intermediate_size'"),
 ])
 def test_moe_the_mapping_does_not_cover_is_refused_naming_the_key(tmp_path, config, problem):
     with pytest.raises(ValueError, match=problem):

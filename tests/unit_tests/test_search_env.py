@@ -52,7 +52,7 @@ def test_answers_compare_after_search_r1_normalization():
 
 
 def test_a_search_conversation_searches_then_answers():
-    env = search_environment(CORPUS, top_k=1)()
+    env = search_environment(Retriever(CORPUS), top_k=1)()
     assert env.reset(Example(prompt="Q: where is the Eiffel Tower?\n", answer="Paris", verify=None)).startswith("Q:")
     observation, reward, done = env.step("I should look. <search>Eiffel Tower</search>")
     assert observation == "\n<information>Doc 1: The Eiffel Tower is in Paris.</information>\n"
@@ -110,6 +110,14 @@ COMMON = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "48",
     (["--rl-env", "search", "--rl-search-corpus", "no_such.jsonl"], "--rl-search-corpus no_such.jsonl: no such file"),
     (["--rl-env", "search", "--rl-env-timeout", "0"], "--rl-env-timeout must be > 0"),
     (["--rl-tool-format", "chat"], "--rl-tool-format chat writes an environment's tool calls: it needs --rl-env"),
+    (["--rl-search-url", "http://h:1/retrieve"], "--rl-search-url is read by --rl-env search only"),
+    (["--rl-env", "search", "--rl-search-url", "h:1/retrieve"], "--rl-search-url h:1/retrieve: expected an http"),
+    (["--rl-env", "search", "--rl-search-url", "http://h:1/r", "--rl-search-corpus", "README.md"],
+     "--rl-search-corpus and --rl-search-url: give one"),
+    (["--rl-env", "search", "--rl-search-url", "http://h:1/r", "--rl-search-timeout", "0"],
+     "--rl-search-timeout must be > 0"),
+    (["--rl-env", "search", "--rl-search-url", "http://h:1/r", "--rl-search-retries", "-1"],
+     "--rl-search-retries must be >= 0"),
 ])
 def test_search_flags_that_cannot_work_are_refused(flags, message):
     with pytest.raises(ValueError, match=message):
@@ -131,7 +139,7 @@ def test_qa_lines_as_published_become_questions_with_every_golden_answer(tmp_pat
     assert first.prompt == QUESTION_PROMPT.format("where is the eiffel tower") and first.accepted == ("Paris", "Paris, France")
     assert first.verify("<answer>paris france</answer>") == 1.0 and first.verify("<answer>Lyon</answer>") == 0.0
     assert second.accepted == ("Cairo",) and second.verify("Cairo.") == 1.0  # untagged: the whole completion
-    env = search_environment(CORPUS, top_k=1)()
+    env = search_environment(Retriever(CORPUS), top_k=1)()
     env.reset(first)
     assert env.step("<answer>Paris, France</answer>")[1] == 1.0
     bad = tmp_path / "bad.jsonl"
