@@ -425,6 +425,10 @@ def generator_rank_errors(args: argparse.Namespace) -> list[str]:
     return errors
 
 
+def _same_path(a: str, b: str | None) -> bool:
+    return b is not None and os.path.abspath(a) == os.path.abspath(b)
+
+
 def multi_turn_errors(args: argparse.Namespace) -> list[str]:
     """The environment flags' errors: each read by its environment only, times and sizes in range."""
     errors = []
@@ -487,9 +491,11 @@ def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
                       "in a separate run and pass its checkpoint")
     if args.save_interval and not args.save:
         errors.append("--save-interval needs --save DIR")
-    if args.load and not os.path.isdir(args.load):
-        errors.append(f"--load {args.load}: no such directory (an existing empty directory starts "
-                      "a fresh run)")
+    # --save D --load D on a first run starts fresh (a cluster job's "resume if there is
+    # something to resume"); a --load of its own that is missing is a typo
+    if args.load and not os.path.isdir(args.load) and not _same_path(args.load, args.save):
+        errors.append(f"--load {args.load}: no such directory (an existing empty directory, or the "
+                      "--save directory, starts a fresh run)")
     if bool(args.eval_interval) != bool(args.rl_eval_dataset):
         errors.append("--eval-interval and --rl-eval-dataset go together")
     if args.rl_default_top_k > 0 or args.rl_default_top_p > 0:

@@ -102,6 +102,10 @@ def test_load_directory_must_exist(tmp_path):
     with pytest.raises(ValueError, match="--load .*typo: no such directory"):
         parse_rl_args(MODEL + ["--load", str(tmp_path / "typo")])
     assert parse_rl_args(MODEL + ["--load", str(tmp_path)]).load == str(tmp_path)  # a fresh run
+    first_run = str(tmp_path / "run")  # --save D --load D before D exists: a fresh run too
+    assert parse_rl_args(MODEL + ["--load", first_run, "--save", first_run + "/", "--save-interval", "5"]).load == first_run
+    with pytest.raises(ValueError, match="--load .*typo: no such directory"):
+        parse_rl_args(MODEL + ["--load", str(tmp_path / "typo"), "--save", first_run, "--save-interval", "5"])
     with pytest.raises(ValueError, match="--rl-keep-last-k must be >= 0"):
         parse_rl_args(MODEL + ["--rl-keep-last-k", "-1"])
 
