@@ -7,6 +7,7 @@ with '_' or '-') < the command line; a model flag that contradicts the checkpoin
 """
 
 import argparse
+import difflib
 import importlib.util
 import os
 import sys
@@ -290,6 +291,22 @@ def unused_flag_errors(given: set[str]) -> list[str]:
     return errors
 
 
+def unknown_flag_errors(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """One line for each flag no parser takes, with the closest flags that exist (argparse would
+    print its whole usage, hundreds of lines, before saying which)."""
+    known = list(parser._option_string_actions)
+    errors = []
+    for token in argv:
+        if token == "--":  # the rest are values
+            break
+        flag = token.split("=", 1)[0]
+        # a token with a space is a value to argparse (e.g. a quoted list of flags)
+        if flag.startswith("--") and " " not in flag and flag not in parser._option_string_actions:
+            close = difflib.get_close_matches(flag, known, n=3, cutoff=0.8)
+            errors.append(f"{flag}: no such flag" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+    return errors
+
+
 def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else argv
     recipe_path = _scan(argv, "--recipe")
@@ -311,7 +328,7 @@ def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.set_defaults(**LOSS_PRESETS[loss])
         parser.set_defaults(**recipe)
         unused = [] if {"-h", "--help"} & set(argv) else unused_flag_errors(given_flags(argv, recipe))
-        raise_if_invalid(unused)  # before Megatron's checks trip on them
+        raise_if_invalid(unknown_flag_errors(argv, parser) + unused)  # before Megatron's checks trip on them
         return parser
 
     args = parse_args(argv, extra_args_provider=provider)

@@ -309,3 +309,11 @@ def test_an_unset_size_is_an_error_and_an_unset_interval_is_off():
     assert bound_errors(args) == []
     args.train_iters, args.exit_interval = None, None
     assert bound_errors(args) == ["--train-iters must be >= 1, got None"]
+
+
+def test_an_unknown_flag_is_one_line_with_the_flags_it_is_close_to():
+    with pytest.raises(ValueError) as info:
+        parse_rl_args(MODEL + ["--rl-max-new-token", "5", "--no-such-thing=3"])
+    message = str(info.value)
+    assert "--rl-max-new-token: no such flag (did you mean --rl-max-new-tokens or" in message
+    assert "--no-such-thing: no such flag\n" in message + "\n" and len(message.splitlines()) == 3
