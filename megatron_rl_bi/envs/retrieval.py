@@ -18,7 +18,6 @@ protocol, so one retriever can serve several jobs.
 import json
 import threading
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -63,16 +62,16 @@ class RemoteRetriever:
         return search.passages
 
     def _answer(self, batch: list[_Search], k: int) -> None:
+        """Every search of `batch` answered (or given the request's error), and released."""
         try:
-            results = self.retrieve([s.query for s in batch], k)
+            for search, passages in zip(batch, self.retrieve([s.query for s in batch], k)):
+                search.passages = passages
         except RetrievalError as error:
-            results = [error] * len(batch)
-        for search, result in zip(batch, results):
-            if isinstance(result, RetrievalError):
-                search.error = result
-            else:
-                search.passages = result
-            search.done.set()
+            for search in batch:
+                search.error = error
+        finally:  # whatever happened, no search of the batch waits on
+            for search in batch:
+                search.done.set()
 
     def retrieve(self, queries: list[str], k: int) -> list[list[str]]:
         """One request for `queries` (with retries): each query's passages."""
