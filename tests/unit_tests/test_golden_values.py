@@ -191,7 +191,8 @@ def test_a_case_without_its_step_count_is_refused_when_read(tmp_path, text, prob
 # The published run of each case's recipe (a case without one is checked for provenance only).
 PUBLISHED_RUN = {"gpt_tiny/bi_dense": "rl_tiny_h200.jsonl", "gpt_tiny/bi_resume": "rl_tiny_h200.jsonl",
                  "gpt_tiny/bi_dp2": "rl_tiny_dp2_h200.jsonl", "hybrid_tiny/bi_hybrid": "rl_tiny_hybrid_h200.jsonl",
-                 "gpt_tiny/conversation_search": "rl_tiny_search_h200.jsonl"}
+                 "gpt_tiny/conversation_search": "rl_tiny_search_h200.jsonl",
+                 "moe_tiny/moe_bi": "rl_tiny_moe_h200.jsonl"}
 
 
 @pytest.mark.parametrize("path", golden_values.all_cases(), ids=lambda p: os.path.relpath(p, golden_values.CASES))
