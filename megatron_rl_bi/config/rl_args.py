@@ -157,6 +157,9 @@ def add_multi_turn_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--rl-env-timeout", type=float, default=30.0,
                        help="seconds one environment call may take; a call that takes longer, or "
                        "raises, scores its sample 0 and is counted")
+    group.add_argument("--rl-env-workers", type=int, default=None, metavar="N",
+                       help="environment calls run at once, on a pool of N threads; the others wait "
+                       "their turn (default: 8 per CPU this process may use)")
     return parser
 
 
@@ -468,6 +471,8 @@ def multi_turn_errors(args: argparse.Namespace) -> list[str]:
                       f"got {args.rl_code_time_limit}")
     if not args.rl_env_timeout > 0:
         errors.append(f"--rl-env-timeout must be > 0 seconds, got {args.rl_env_timeout}")
+    if args.rl_env_workers is not None and args.rl_env_workers < 1:
+        errors.append(f"--rl-env-workers must be >= 1, got {args.rl_env_workers}")
     if args.rl_max_context_tokens is not None and not args.rl_max_context_tokens >= 2:
         errors.append(f"--rl-max-context-tokens must be >= 2, got {args.rl_max_context_tokens}")
     return errors

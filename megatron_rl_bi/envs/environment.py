@@ -8,17 +8,22 @@ built once per sample, with
     tools: tuple[dict, ...]                     optional: function schemas of its tags, for
                                                 --rl-tool-format chat (envs.tool_format)
 
-Each call (the constructor and reset together, then each step) runs on a thread of its own with
-a time limit (--rl-env-timeout): a call that raises or runs out of time ends its sample with
-reward 0 and is counted (`rollouts/env_failures`, `rollouts/env_timeouts`); the run goes on. A
-timed-out call's thread is left to finish on its own (a thread cannot be killed): tools that can
-hang should bound themselves too, as the built-in code sandbox does with a subprocess.
+Each call (the constructor and reset together, then each step) runs on one of a bounded pool of
+threads (--rl-env-workers at once; the others wait their turn) with a time limit counted from its
+own start (--rl-env-timeout): a call that raises or runs out of time ends its sample with reward 0
+and is counted (`rollouts/env_failures`, `rollouts/env_timeouts`); the run goes on. A timed-out
+call's thread is left to finish on its own (a thread cannot be killed) and a new worker takes its
+place, so a hung environment does not shrink the pool: tools that can hang should bound themselves
+too, as the built-in code sandbox does with a subprocess.
 """
 
+import functools
+import os
+import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_rl_bi.envs.code import code_environment
 from megatron_rl_bi.envs.plugins import load_plugin
@@ -67,20 +72,74 @@ class Outcome:
     problem: str | None = None
 
 
-def call_all(calls: list[Callable[[], object]], timeout_s: float) -> list[Outcome]:
-    """Every call at once, each on a daemon thread (a hung one does not keep the process alive),
-    all waited for until `timeout_s` after the start; a call still running then has TIMED_OUT
-    (whatever it returns later is dropped)."""
-    recorded = [Outcome() for _ in calls]
-    threads = [threading.Thread(target=_run_into, args=(call, outcome), daemon=True)
-               for call, outcome in zip(calls, recorded)]
-    deadline = time.monotonic() + timeout_s
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return [Outcome(problem=TIMED_OUT) if thread.is_alive() else outcome
-            for thread, outcome in zip(threads, recorded)]
+def default_workers() -> int:
+    """--rl-env-workers' default: 8 a CPU this process may use (environment calls mostly wait, on a
+    sandboxed program or a server)."""
+    return 8 * len(os.sched_getaffinity(0))
+
+
+def call_all(calls: list[Callable[[], object]], timeout_s: float, workers: int | None = None) -> list[Outcome]:
+    """Every call on the pool of `workers` threads (default_workers() when None), in order; each
+    call has `timeout_s` from its own start, after which it has TIMED_OUT (whatever it returns
+    later is dropped)."""
+    return _pool(workers or default_workers()).call_all(calls, timeout_s)
+
+
+@functools.cache
+def _pool(workers: int) -> "EnvironmentPool":
+    return EnvironmentPool(workers)
+
+
+@dataclass
+class _Job:
+    call: Callable[[], object]
+    outcome: Outcome = field(default_factory=Outcome)
+    started_at: float | None = None
+    started: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    abandoned: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class EnvironmentPool:
+    """At most `workers` calls run at once, on daemon threads (a hung one does not keep the
+    process alive) that take queued calls in order."""
+
+    def __init__(self, workers: int):
+        if workers < 1:
+            raise ValueError(f"--rl-env-workers must be >= 1, got {workers}")
+        self.workers, self.replaced = workers, 0
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        for _ in range(workers):
+            self._start_worker()
+
+    def _start_worker(self) -> None:
+        threading.Thread(target=self._work, daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            job.started_at = time.monotonic()
+            job.started.set()
+            _run_into(job.call, job.outcome)
+            with job.lock:
+                job.done.set()
+                if job.abandoned:  # timed out: a new worker has its place
+                    return
+
+    def call_all(self, calls: list[Callable[[], object]], timeout_s: float) -> list[Outcome]:
+        jobs = [_Job(call) for call in calls]
+        for job in jobs:
+            self._jobs.put(job)
+        for job in jobs:  # a worker takes each only after every job before it started
+            job.started.wait()
+            job.done.wait(max(0.0, job.started_at + timeout_s - time.monotonic()))
+            with job.lock:
+                if not job.done.is_set():
+                    job.abandoned = True
+                    self.replaced += 1
+                    self._start_worker()
+        return [Outcome(problem=TIMED_OUT) if job.abandoned else job.outcome for job in jobs]
 
 
 def _run_into(call: Callable[[], object], outcome: Outcome) -> None:

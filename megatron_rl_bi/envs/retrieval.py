@@ -3,8 +3,9 @@ Search-R1's protocol: `POST URL` with `{"queries": [...], "topk": k, "return_sco
 answered by `{"result": [[{"document": {"id": ..., "contents": ...}, "score": ...}, ...], ...]}`,
 one list a query, best first (without scores a list holds the documents themselves).
 
-The searches of a turn run at once, one per sample on its own thread (envs.environment.call_all);
-the first to arrive waits `gather_s` for the others and sends them all in one request. A request
+The searches of a turn run at once on the environment pool (envs.environment.call_all, up to
+--rl-env-workers of them); the first to arrive waits `gather_s` for the others and sends them all
+in one request. A request
 that times out, fails to connect, answers an HTTP error or a body that is not the protocol is
 retried `retries` times, waiting `backoff_s`, then twice as long, ...; then every search of that
 request raises, which ends those samples alone with reward 0, counted as environment failures.

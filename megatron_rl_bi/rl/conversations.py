@@ -33,6 +33,8 @@ class TurnConfig:
     """An environment answer's tokens at most; the rest is cut (--rl-tool-output-tokens)."""
     env_timeout_s: float = 30.0
     """Seconds each environment call may take (--rl-env-timeout)."""
+    env_workers: int | None = None
+    """Environment calls at once (--rl-env-workers; None: envs.environment.default_workers())."""
     tool_format: str = "tags"
     """How tool calls and answers are written: the environment's tags, or the chat template's
     tool calling (--rl-tool-format; envs.tool_format)."""
@@ -102,7 +104,7 @@ def run_conversations(generator: Generator, examples: list, environment: type, t
     context = min(config.max_context_tokens or generator.config.max_sequence_length,
                   generator.config.max_prompt_tokens)
     opened = call_all([functools.partial(_open, environment, e, turn_format) for e in examples],
-                      config.env_timeout_s)
+                      config.env_timeout_s, config.env_workers)
     for conversation, outcome in zip(conversations, opened):
         if outcome.problem:
             conversation.end(outcome.problem)
@@ -139,7 +141,7 @@ def _turn(generator: Generator, conversations: list[Conversation], tokenizer, tu
         texts.append(tokenizer.decode(turn[:-1] if conversation.stopped_on_eod else turn))
     started = time.monotonic()
     answers = call_all([functools.partial(_step, c.environment, text, turn_format, config.observation_tokens)
-                        for c, text in zip(conversations, texts)], config.env_timeout_s)
+                        for c, text in zip(conversations, texts)], config.env_timeout_s, config.env_workers)
     counts["env_seconds"] += time.monotonic() - started
     for conversation, outcome in zip(conversations, answers):
         if outcome.problem:

@@ -1,0 +1,78 @@
+"""The environment pool (envs.environment, --rl-env-workers), CPU: at most N calls at once, each
+timed from its own start, a hung call's worker replaced, outcomes in the calls' order."""
+
+import threading
+import time
+
+import pytest
+
+from megatron_rl_bi.envs.environment import FAILED, TIMED_OUT, EnvironmentPool, call_all, default_workers
+
+
+class Running:
+    """Counts the calls running at once, and the most seen."""
+
+    def __init__(self):
+        self.now = self.most = 0
+        self.lock = threading.Lock()
+
+    def call(self, value, seconds=0.05):
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        time.sleep(seconds)
+        with self.lock:
+            self.now -= 1
+        return value
+
+
+def test_at_most_workers_calls_run_at_once_and_outcomes_keep_the_calls_order():
+    running = Running()
+    outcomes = EnvironmentPool(3).call_all([lambda i=i: running.call(i) for i in range(12)], timeout_s=5)
+    assert [o.value for o in outcomes] == list(range(12)) and running.most == 3
+
+
+def test_a_queued_call_has_its_whole_limit_from_its_own_start():
+    """With one worker, the second call starts after the first's 0.3 s: a deadline counted from
+    the batch's start (0.4 s) would time it out."""
+    outcomes = EnvironmentPool(1).call_all([lambda: time.sleep(0.3) or 1, lambda: time.sleep(0.3) or 2],
+                                           timeout_s=0.4)
+    assert [(o.value, o.problem) for o in outcomes] == [(1, None), (2, None)]
+
+
+def _within(seconds, function):
+    """function()'s value, or a failure when it has not returned within `seconds` (a pool that
+    lost its worker would wait forever)."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(function()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert result, f"no result within {seconds} s"
+    return result[0]
+
+
+def test_a_hung_call_times_out_and_its_worker_is_replaced():
+    release = threading.Event()
+    pool = EnvironmentPool(1)
+    started = time.monotonic()
+    outcomes = _within(5, lambda: pool.call_all([release.wait, lambda: 2, lambda: 1 / 0], timeout_s=0.3))
+    assert [(o.value, o.problem) for o in outcomes] == [(None, TIMED_OUT), (2, None), (None, FAILED)]
+    assert time.monotonic() - started < 2 and pool.replaced == 1
+    running = Running()  # the pool still runs one call at a time, not two
+    pool.call_all([lambda: running.call(0), lambda: running.call(1)], timeout_s=5)
+    assert running.most == 1
+    release.set()  # the hung call ends: its late value is dropped, its thread leaves the pool
+    time.sleep(0.1)
+    assert outcomes[0].problem == TIMED_OUT and outcomes[0].value is None
+    running = Running()
+    pool.call_all([lambda: running.call(0), lambda: running.call(1)], timeout_s=5)
+    assert running.most == 1
+
+
+def test_the_default_pool_is_sized_from_the_cpus_and_a_size_below_one_is_refused():
+    assert default_workers() >= 8
+    running = Running()
+    call_all([lambda: running.call(0, 0.2)] * 20, timeout_s=5, workers=4)
+    assert running.most == 4
+    with pytest.raises(ValueError, match="--rl-env-workers must be >= 1, got 0"):
+        EnvironmentPool(0)
