@@ -45,7 +45,8 @@ def launch_check(load_dir: str | None, kernel_problem: str | None = None, genera
         print(f"launch check {verdict}: {me['world_size']} processes on {len(nodes)} nodes "
               f"({', '.join(nodes)}); {resume}", flush=True)
         if kernel_problem:
-            print(f"launch check: this node could not run the GPU work: {kernel_problem}", flush=True)
+            print(f"launch check: this node could not run the GPU work: {kernel_problem} (the verdict "
+                  "above is the launch's alone, not the run's)", flush=True)
     torch.distributed.destroy_process_group()
     if problems:
         raise SystemExit(1)

@@ -162,6 +162,9 @@ def main() -> None:
     else:
         save_model(hf, preset, eos_id, args.seed)
     save_prompts(os.path.join(args.out, "math.jsonl"), 256, args.seed)
+    written = "config and tokenizer, no weights" if args.config_only else "random weights, config and tokenizer"
+    print(f"{args.preset}: {hf} ({written}, {preset['num_hidden_layers']} layers), "
+          f"{os.path.join(args.out, 'math.jsonl')} (256 prompts)", flush=True)
 
 
 if __name__ == "__main__":

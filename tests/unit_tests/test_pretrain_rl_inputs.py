@@ -113,6 +113,7 @@ def test_the_launch_check_runs_on_a_cpu_machine_and_says_what_it_lacks(capsys):
     assert "launch check passed: 1 processes on 1 nodes" in result.stdout
     assert "no --load: would start a fresh run" in result.stdout
     assert "this node could not run the GPU work: invalid arguments:" in result.stdout
+    assert "(the verdict above is the launch's alone, not the run's)" in result.stdout
 
 
 def test_the_launch_check_says_each_process_role_with_generators_apart():

@@ -19,10 +19,12 @@ def _tool():
     return module
 
 
-def test_qwen35_widths_at_eight_layers_keep_every_fourth_layer_attention(tmp_path, monkeypatch):
+def test_qwen35_widths_at_eight_layers_keep_every_fourth_layer_attention(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["random_hf_checkpoint.py", "qwen3.5-9b", str(tmp_path),
                                       "--config-only", "--num-hidden-layers", "8"])
     _tool().main()
+    assert capsys.readouterr().out == (f"qwen3.5-9b: {tmp_path / 'hf'} (config and tokenizer, no weights, "
+                                       f"8 layers), {tmp_path / 'math.jsonl'} (256 prompts)\n")
     with open(tmp_path / "hf" / "config.json") as f:
         config = json.load(f)
     config = config.get("text_config", config)
