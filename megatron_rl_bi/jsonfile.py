@@ -18,3 +18,30 @@ def parse_object(text: str, path: str, first_line: int = 1) -> dict:
 def read_object(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
         return parse_object(f.read(), path)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The objects of a JSON Lines file, one a line (blank lines skipped). A file that is one JSON
+    document over several lines (a report, pretty-printed) is named as such, not as a bad line."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(parse_object(line, path, number))
+        except ValueError:
+            if number == 1 and _one_document(text):
+                raise ValueError(f"{path}: one JSON document over several lines, not JSON Lines (one "
+                                 "object a line, as --rl-metrics-jsonl writes)") from None
+            raise
+    return records
+
+
+def _one_document(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True

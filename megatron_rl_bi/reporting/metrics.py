@@ -10,7 +10,7 @@ import json
 import math
 import os
 
-from megatron_rl_bi.jsonfile import parse_object
+from megatron_rl_bi.jsonfile import read_jsonl
 
 
 class MetricsLogger:
@@ -85,15 +85,11 @@ def read_segments(path: str) -> list[list[dict]]:
     `{"run": ...}` header opens one), in the order written: a resumed run's second list starts
     at the step after its checkpoint, where a restarted one starts at step 1 again."""
     segments = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = parse_object(line, path, number)
-            if "run" in record or not segments:
-                segments.append([])
-            if "step" in record:
-                segments[-1].append(record)
+    for record in read_jsonl(path):
+        if "run" in record or not segments:
+            segments.append([])
+        if "step" in record:
+            segments[-1].append(record)
     return [segment for segment in segments if segment]
 
 

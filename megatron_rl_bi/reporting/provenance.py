@@ -17,7 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from megatron_rl_bi.jsonfile import parse_object, read_object
+from megatron_rl_bi.jsonfile import read_jsonl, read_object
 
 _PACKAGES = ("torch", "triton", "megatron-core", "fla-core", "flash-attn-4", "flash-attn-3",
              "transformer-engine")
@@ -91,9 +91,7 @@ def read_stamps(path: str) -> list[dict]:
     for golden values), or each `{"run": ...}` header of a JSONL (one per process that wrote
     to it). A file without any is an error."""
     if path.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
-            records = [parse_object(line, path, n) for n, line in enumerate(f, 1) if line.strip()]
-        stamps = [r["run"] for r in records if "run" in r]
+        stamps = [r["run"] for r in read_jsonl(path) if "run" in r]
     else:
         report = read_object(path)
         stamps = [report.get("provenance", report)]

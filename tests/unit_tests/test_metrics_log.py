@@ -59,6 +59,18 @@ def test_a_line_that_is_not_json_is_named_by_file_and_line(tmp_path):
         read_step_records(str(path))
 
 
+def test_a_pretty_printed_json_file_is_named_as_one_document_not_jsonl(tmp_path):
+    """compare_metrics.py on a report (`json.dump(..., indent=2)`) said its first line was not
+    JSON."""
+    path = tmp_path / "report.json"
+    path.write_text('{\n  "step": 1,\n  "loss": 0.5\n}\n')
+    with pytest.raises(ValueError, match=r"report.json: one JSON document over several lines, not JSON Lines"):
+        read_step_records(str(path))
+    path.write_text('{\n  "step": 1,\n')  # neither: the bad line is named
+    with pytest.raises(ValueError, match=r"report.json:1: not JSON"):
+        read_step_records(str(path))
+
+
 def test_a_file_without_step_records_is_an_error(tmp_path):
     """An empty or header-only file compared as "every reference value reproduced" and plotted
     as empty axes."""
