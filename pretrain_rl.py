@@ -16,7 +16,7 @@ import torch
 
 from megatron_rl_bi import bi
 from megatron_rl_bi.bridge import Bridge, Roles, bridge_address, join_world, roles_from_environment
-from megatron_rl_bi.checkpoints.hf import HFModel, load_hf_weights, read_hf_model
+from megatron_rl_bi.checkpoints.hf import HFModel, check_hf_weights, load_hf_weights, read_hf_model
 from megatron_rl_bi.checkpoints.megatron import latest_checkpoint, load_pretrained_weights, read_rl_state
 from megatron_rl_bi.config import installed_kernel_problem, parse_rl_args, print_arguments
 from megatron_rl_bi.config.from_args import (
@@ -185,6 +185,8 @@ def read_inputs(argv: list[str] | None) -> RunInputs:
         task = RewardFnTask(task, reward_fn)
         eval_examples = eval_examples and [with_reward_fn(e, reward_fn) for e in eval_examples]
     hf_model = read_hf_model(args.hf_checkpoint) if args.hf_checkpoint else None
+    if hf_model:
+        check_hf_weights(hf_model)
     vocab_size = model_vocab_size(args, tokenizer)
     check_kv_cache(args, engine_config, vocab_size)
     rollout_config = rollout_config_from_args(args, task)

@@ -6,6 +6,7 @@ counted, never fatal."""
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 
 from megatron_rl_bi.envs.plugins import load_plugin
@@ -17,6 +18,15 @@ def load_reward_fn(spec: str) -> Callable:
     function = load_plugin(spec, "--rl-reward-fn")
     if not callable(function):
         raise ValueError(f"--rl-reward-fn {spec}: {function!r} is not callable")
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin without one: it is called and guarded as it is
+        return function
+    try:
+        signature.bind("prompt", "completion", "example")
+    except TypeError:
+        raise ValueError(f"--rl-reward-fn {spec}: {getattr(function, '__name__', 'it')}{signature} cannot be "
+                         "called as (prompt, completion, example)") from None
     return function
 
 

@@ -22,7 +22,7 @@ from hf_checkpoints import save_qwen3, save_qwen3_moe, save_qwen35  # noqa: E402
 from .conftest import torch_varlen_attention  # noqa: E402
 
 from megatron_rl_bi import bi  # noqa: E402
-from megatron_rl_bi.checkpoints.hf import export_hf, load_hf_weights, read_hf_model  # noqa: E402
+from megatron_rl_bi.checkpoints.hf import check_hf_weights, export_hf, load_hf_weights, read_hf_model  # noqa: E402
 from megatron_rl_bi.config import parse_rl_args  # noqa: E402
 from megatron_rl_bi.packing import pack_sequences  # noqa: E402
 
@@ -230,6 +230,54 @@ def test_a_bad_shard_index_names_the_file(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"cut")
     with pytest.raises(ValueError, match="model.safetensors: not a safetensors file"):
         SafetensorsReader(str(tmp_path))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-tied", "qwen3-moe", "qwen3.5", "qwen3.5-nested", "qwen3.5-moe"])
+def test_the_pre_flight_passes_the_weights_transformers_writes(tmp_path, family):
+    save = {"qwen3": lambda p: save_qwen3(p, tied=False), "qwen3-tied": save_qwen3, "qwen3-moe": save_qwen3_moe,
+            "qwen3.5": save_qwen35, "qwen3.5-nested": lambda p: save_qwen35(p, nested=True),
+            "qwen3.5-moe": lambda p: save_qwen35(p, moe=True)}[family]
+    save(str(tmp_path / "hf"))
+    check_hf_weights(read_hf_model(str(tmp_path / "hf")))
+
+
+def test_the_pre_flight_refuses_weights_missing_unreadable_or_incomplete(tmp_path):
+    """Each passed `--launch-check` before: weights left out (--config-only), a garbled file, a
+    shard the index names but that is not there, and a tensor the architecture needs absent."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    save_qwen3(str(tmp_path / "hf"), tied=False)
+    hf = read_hf_model(str(tmp_path / "hf"))
+    weights = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(weights)
+    weights.rename(tmp_path / "kept.safetensors")
+    with pytest.raises(ValueError, match="neither model.safetensors.index.json nor model.safetensors"):
+        check_hf_weights(hf)
+    weights.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(ValueError, match="model.safetensors: not a safetensors file"):
+        check_hf_weights(hf)
+    weights.unlink()
+    index = {"weight_map": {name: "model-00001-of-00002.safetensors" for name in tensors}}
+    index["weight_map"]["lm_head.weight"] = "model-00002-of-00002.safetensors"
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"},
+              tmp_path / "hf" / "model-00001-of-00002.safetensors")
+    with pytest.raises(ValueError, match="names model-00002-of-00002.safetensors, which is not there"):
+        check_hf_weights(hf)
+    save_file({"lm_head.weight": tensors["lm_head.weight"]}, tmp_path / "hf" / "model-00002-of-00002.safetensors")
+    check_hf_weights(hf)  # the two shards hold every tensor
+    del index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"no tensor 'model.layers.1.mlp.up_proj.weight' \(1 of the \d+ its "
+                                         r"config.json's architecture needs are missing\)"):
+        check_hf_weights(hf)
+    index["weight_map"]["model.layers.1.mlp.up_proj.weight"] = "model-00002-of-00002.safetensors"
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"model-00002-of-00002.safetensors: no tensor "
+                                         r"'model.layers.1.mlp.up_proj.weight' \(1 missing\), which"):
+        check_hf_weights(hf)
 
 
 def test_an_export_replaces_nothing_but_an_earlier_export(tmp_path):

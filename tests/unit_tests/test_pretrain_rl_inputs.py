@@ -56,6 +56,20 @@ def test_a_tool_format_the_tokenizer_cannot_write_is_refused_before_the_gpu(pret
         pretrain_rl.main(lookup)
 
 
+def test_an_hf_checkpoint_without_weights_is_refused_before_the_gpu(pretrain_rl, tmp_path):
+    """tools/random_hf_checkpoint.py --config-only writes no weights: the launch check passed it."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, os.path.join(REPO, "tools", "random_hf_checkpoint.py"), "qwen3-0.6b",
+                    str(tmp_path), "--config-only"], check=True, capture_output=True)
+    with pytest.raises(SystemExit, match=r"^pretrain_rl.py: error: .*hf: neither model.safetensors.index.json "
+                                         r"nor model.safetensors$"):
+        pretrain_rl.main(["--recipe", os.path.join(REPO, "examples", "recipes", "qwen3_math_dapo.yaml"),
+                          "--hf-checkpoint", str(tmp_path / "hf"), "--rl-dataset", str(tmp_path / "math.jsonl"),
+                          "--save", str(tmp_path / "ckpt"), "--save-hf", str(tmp_path / "out")])
+
+
 def test_generator_ranks_that_leave_no_trainer_are_refused_before_the_gpu(pretrain_rl, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -46,6 +46,23 @@ def test_bad_specs_name_the_flag(spec, message):
         load_reward_fn(spec)
 
 
+@pytest.mark.parametrize("source,accepted", [
+    ("def f(prompt, completion):\n    return 1.0\n", False),  # the pre-flight passed it: every call failed
+    ("def f(prompt, completion, example, strict):\n    return 1.0\n", False),
+    ("def f(prompt, completion, example, strict=True):\n    return 1.0\n", True),
+    ("def f(*args):\n    return 1.0\n", True),
+    ("class f:\n    def __call__(self, prompt, completion, example):\n        return 1.0\n", False),  # the class
+])
+def test_a_reward_fn_that_cannot_take_the_three_arguments_is_refused_at_load(tmp_path, source, accepted):
+    (tmp_path / "rewards.py").write_text(source)
+    spec = f"{tmp_path / 'rewards.py'}:f"
+    if accepted:
+        assert callable(load_reward_fn(spec))
+        return
+    with pytest.raises(ValueError, match=r"--rl-reward-fn .*rewards.py:f: f\(.*\) cannot be called as \(prompt, completion, example\)"):
+        load_reward_fn(spec)
+
+
 def test_the_sizing_reward_counts_number_words():
     number_share = load_reward_fn(f"{REPO}/examples/reward_fns/number_share.py:number_share")
     assert number_share("p", "7 w1 12 w3", None) == 0.5

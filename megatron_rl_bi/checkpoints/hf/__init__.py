@@ -14,7 +14,7 @@ from megatron_rl_bi.checkpoints.hf.config import HFModel, megatron_flags, read_h
 from megatron_rl_bi.checkpoints.hf.files import SafetensorsReader, write_checkpoint
 from megatron_rl_bi.checkpoints.hf.mapping import Rule, rules, to_hf, to_megatron
 
-__all__ = ["HFModel", "export_hf", "load_hf_weights", "megatron_flags", "read_hf_model"]
+__all__ = ["HFModel", "check_hf_weights", "export_hf", "load_hf_weights", "megatron_flags", "read_hf_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,19 @@ def _language_model_prefix(names: set[str]) -> str:
 
 def _hf_name(prefix: str, name: str) -> str:
     return name if name.startswith("lm_head.") else prefix + name
+
+
+def check_hf_weights(hf: HFModel) -> None:
+    """Before any GPU work: the checkpoint's weight files are there and readable, and hold a tensor
+    of every name the config's architecture needs (their shapes are checked as they load)."""
+    reader = SafetensorsReader(hf.path)
+    reader.check_shards()
+    prefix = _language_model_prefix(reader.names())
+    tied = hf.text_config.get("tie_word_embeddings", False)
+    needed = {_hf_name(prefix, n) for rule in rules(hf, tied, "final norm") for n in rule.hf}
+    if missing := sorted(needed - reader.names()):
+        raise ValueError(f"--hf-checkpoint {hf.path}: no tensor {missing[0]!r} ({len(missing)} of the "
+                         f"{len(needed)} its config.json's architecture needs are missing)")
 
 
 @torch.no_grad()

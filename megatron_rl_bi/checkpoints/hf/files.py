@@ -49,6 +49,18 @@ class SafetensorsReader:
     def names(self) -> set[str]:
         return set(self.files)
 
+    def check_shards(self) -> None:
+        """Every shard the index names is there, opens as safetensors (its header alone is read)
+        and holds the tensors the index says it does."""
+        for file in sorted(set(self.files.values())):
+            path = os.path.join(self.path, file)
+            if not os.path.isfile(path):
+                raise ValueError(f"{self.path}: {INDEX} names {file}, which is not there")
+            with _open_shard(path) as shard:
+                held = set(shard.keys())
+            if missing := sorted(n for n, f in self.files.items() if f == file and n not in held):
+                raise ValueError(f"{path}: no tensor {missing[0]!r} ({len(missing)} missing), which {INDEX} puts there")
+
     def _shard(self, name: str):
         """The open shard holding `name` (opened once); names the tensor if it is missing."""
         if name not in self.files:
