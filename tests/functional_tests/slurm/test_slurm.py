@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slurm
 REPO = pathlib.Path(__file__).resolve().parents[3]
 CLUSTER = pathlib.Path(__file__).with_name("cluster.sh")
 TINY = ["--recipe", "examples/recipes/tiny_sort.yaml", "--batch-invariant-mode", "--flash-attention-version", "4"]
-# The scripts' documented environment; no GPU here, so the job asks for none.
+# The scripts' documented environment; no GPU here: the jobs ask for none, as on CPU nodes.
 ENV = {"VENV": str(pathlib.Path(os.environ.get("VIRTUAL_ENV", REPO / ".venv"))), "GPUS_PER_NODE": "2"}
 
 
@@ -67,7 +67,7 @@ def _processes(log: str) -> list[tuple[int, int, str, str]]:
 
 def test_two_nodes_of_two_processes(cluster):
     job, state, log = _submit(cluster, "examples/slurm/pretrain_rl.sbatch", *TINY, "--launch-check",
-                              sbatch=("--nodes", "2", "--gpus-per-node", "0"))
+                              sbatch=("--nodes", "2"))
     assert state == "COMPLETED", log[-3000:]
     processes = _processes(log)
     assert sorted(p[0] for p in processes) == [0, 1, 2, 3] and {p[1] for p in processes} == {4}
@@ -76,8 +76,18 @@ def test_two_nodes_of_two_processes(cluster):
     assert "launch check passed: 4 processes on 2 nodes (node1, node2); no --load: would start a fresh run" in log
 
 
+def test_without_gpus_per_node_a_node_runs_one_process(cluster):
+    """The header asks for no GPUs (a CPU node's pre-flight needs none); without GPUS_PER_NODE and
+    without GPUs given, one process a node."""
+    env = {k: v for k, v in cluster.items() if k != "GPUS_PER_NODE"}
+    job, state, log = _submit(env, "examples/slurm/pretrain_rl.sbatch", *TINY, "--launch-check",
+                              sbatch=("--nodes", "2"))
+    assert state == "COMPLETED", log[-3000:]
+    assert "launch check passed: 2 processes on 2 nodes (node1, node2)" in log
+
+
 def test_the_parity_script(cluster):
-    job, state, log = _submit(cluster, "examples/slurm/check_parity.sbatch", "--launch-check", sbatch=("--gpus", "0"))
+    job, state, log = _submit(cluster, "examples/slurm/check_parity.sbatch", "--launch-check")
     assert state == "COMPLETED", log[-3000:]
     assert "launch check passed: 1 processes on 1 nodes" in log
 
@@ -90,7 +100,7 @@ def test_a_process_failing_on_one_node_ends_the_job(cluster, tmp_path):
     env = {**cluster, "PYTHONPATH": str(tmp_path)}
     started = time.time()
     job, state, log = _submit(env, "examples/slurm/pretrain_rl.sbatch", *TINY, "--launch-check",
-                              sbatch=("--nodes", "2", "--gpus-per-node", "0"))
+                              sbatch=("--nodes", "2"))
     assert state == "FAILED" and time.time() - started < 100
     assert "launch check passed" not in log
     time.sleep(2)
@@ -109,12 +119,12 @@ def test_a_requeued_job_reports_the_step_it_resumes_from(cluster, tmp_path):
     _checkpoint(tmp_path / "ckpt", 7, ranks=4)
     flags = ("--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"))
     job, state, log = _submit(cluster, "examples/slurm/pretrain_rl.sbatch", *TINY, *flags, "--launch-check",
-                              sbatch=("--nodes", "2", "--gpus-per-node", "0"))
+                              sbatch=("--nodes", "2"))
     assert state == "COMPLETED", log[-3000:]
     assert f"would resume from {tmp_path / 'ckpt' / 'iter_0000007'} (step 7)" in log
     _checkpoint(tmp_path / "other", 3, ranks=2)
     flags = ("--save", str(tmp_path / "other"), "--load", str(tmp_path / "other"))
     job, state, log = _submit(cluster, "examples/slurm/pretrain_rl.sbatch", *TINY, *flags, "--launch-check",
-                              sbatch=("--nodes", "2", "--gpus-per-node", "0"))
+                              sbatch=("--nodes", "2"))
     assert state == "FAILED"
     assert "was written by 2 data-parallel ranks; this launch has 4" in log
