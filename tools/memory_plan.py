@@ -1,11 +1,14 @@
 r"""The GPU memory an RL run will take, before it runs (megatron_rl_bi/memory.py): weights,
 gradients, optimizer, KV cache, activations, the LM head, by phase, the predicted peak, and the
 levers that would lower it. Takes pretrain_rl.py's flags (a recipe, --hf-checkpoint, ...) and the
-GPUs to plan for; no GPU is needed. With --rl-generator-ranks: a trainer's plan (no engine), a
-generator's (the weights and the engine), and the two together on one GPU.
+GPUs to plan for; no GPU is needed; the run's flags as it would be launched (the recipe's
+checkpoint intervals need their directories, though a plan writes nothing there). With
+--rl-generator-ranks: a trainer's plan (no engine), a generator's (the weights and the engine),
+and the two together on one GPU; --plan-gpus is then the trainers' GPUs.
 
   python tools/memory_plan.py --plan-gpus 1 --plan-gpu-memory-gib 139.8 \
-      --recipe examples/recipes/qwen3_math_dapo.yaml --hf-checkpoint /ckpt/Qwen3-4B
+      --recipe examples/recipes/qwen3_math_dapo.yaml --hf-checkpoint /ckpt/Qwen3-4B \
+      --save runs/qwen3_4b/checkpoints --save-hf runs/qwen3_4b/hf
   python tools/memory_plan.py ... --plan-output results/memory_plan_NAME.json   # also as JSON
 """
 
@@ -46,6 +49,10 @@ def vocab_size(args) -> int:
 def main() -> None:
     parser = build_parser()
     own, rest = parser.parse_known_args()
+    if {"-h", "--help"} & set(rest):
+        parser.print_help()
+        print("\nEvery other flag is pretrain_rl.py's: python pretrain_rl.py --help")
+        return
     try:
         if own.plan_gpus < 1 or own.plan_gpu_memory_gib <= 0:
             raise ValueError("--plan-gpus must be >= 1 and --plan-gpu-memory-gib > 0")
@@ -58,6 +65,8 @@ def main() -> None:
               "suggestions": plan.suggestions}
     if args.rl_generator_ranks:
         generator = plan_memory(dataclasses.replace(run, role="generator"), levers_from_args(args))
+        print(f"--plan-gpus {own.plan_gpus}: the trainers' GPUs; each generator rank (--rl-generator-ranks) "
+              "is planned apart, below")
         print(f"a trainer ({own.plan_gpus} data-parallel):\n{format_plan(plan)}\n\na generator:\n{format_plan(generator)}")
         together = (plan.peak_bytes + generator.peak_bytes) / GIB
         print(f"\na trainer and a generator on one GPU: {together:.2f} GiB of {own.plan_gpu_memory_gib:.1f} GiB "

@@ -295,12 +295,49 @@ def test_the_tool_prints_and_writes_the_plan(tmp_path, monkeypatch, capsys):
     tool.main()
     written, printed = json.loads(output.read_text()), capsys.readouterr().out
     assert "a trainer (1 data-parallel):" in printed and "\na generator:\n" in printed
+    assert "--plan-gpus 1: the trainers' GPUs; each generator rank (--rl-generator-ranks) is planned apart" in printed
     together = written["plan_gib"]["peak"] + written["generator_plan_gib"]["peak"]
     assert f"a trainer and a generator on one GPU: {together:.2f} GiB" in printed
     assert "KV cache + GDN states" not in written["plan_gib"] and "gradients" not in written["generator_plan_gib"]
     monkeypatch.setattr("sys.argv", ["memory_plan.py", "--plan-gpus", "0"])
     with pytest.raises(SystemExit, match="--plan-gpus must be >= 1"):
         tool.main()
+
+
+def _memory_plan_tool():
+    spec = importlib.util.spec_from_file_location("memory_plan", REPO / "tools" / "memory_plan.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_the_tools_own_example_runs_as_written(tmp_path, monkeypatch, capsys):
+    """The docstring's first command, its checkpoint made here (Qwen3-4B's config, no weights:
+    a plan reads none) and its paths under tmp_path; it failed on the recipe's checkpoint
+    intervals without their directories."""
+    import shlex
+    import subprocess
+    import sys
+
+    tool = _memory_plan_tool()
+    example = tool.__doc__.split("\n\n  ", 1)[1].split("\n  python", 1)[0].replace("\\\n", " ")
+    subprocess.run([sys.executable, str(REPO / "tools" / "random_hf_checkpoint.py"), "qwen3-4b", str(tmp_path),
+                    "--config-only"], check=True, capture_output=True)
+    argv = [a.replace("/ckpt/Qwen3-4B", str(tmp_path / "hf")).replace("runs/", f"{tmp_path}/runs/")
+            for a in shlex.split(example)]
+    assert argv[:2] == ["python", "tools/memory_plan.py"]
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr("sys.argv", argv[1:])
+    tool.main()
+    assert "predicted peak" in capsys.readouterr().out
+
+
+def test_the_tools_help_shows_its_own_flags(monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["memory_plan.py", "--help"])
+    _memory_plan_tool().main()
+    printed = capsys.readouterr().out
+    assert "--plan-gpus" in printed and "--plan-gpu-memory-gib" in printed and "--plan-output" in printed
+    assert printed.rstrip().endswith("Every other flag is pretrain_rl.py's: python pretrain_rl.py --help")
 
 
 def test_recompute_of_several_layers_a_chunk_by_hand():
