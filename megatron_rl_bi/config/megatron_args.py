@@ -273,6 +273,15 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     return _provider(extra_args_provider)(parser)
 
 
+def validate_model_given(args: argparse.Namespace) -> None:
+    """No layers at all: megatron-core's own message names neither the recipe nor the flag that
+    would give them (a Qwen recipe takes its model from --hf-checkpoint)."""
+    if args.num_layers is None and args.encoder_num_layers is None and not args.hybrid_layer_pattern:
+        raise ValueError("no model: neither --num-layers nor --hybrid-layer-pattern is given; a recipe "
+                         "without model flags (examples/recipes/qwen3*_math_dapo.yaml) takes them from "
+                         "--hf-checkpoint DIR")
+
+
 def parse_args(argv: list[str] | None = None, extra_args_provider=None) -> argparse.Namespace:
     """Megatron's parser + our defaults (+ the caller's flags), then our checks, then Megatron's.
 
@@ -290,6 +299,7 @@ def parse_args(argv: list[str] | None = None, extra_args_provider=None) -> argpa
         args = megatron_parse_args(provider)
     finally:
         sys.argv = saved_argv
+    validate_model_given(args)
     validate_batch_invariance(args)
     validate_cuda_graphs(args)
     validate_save_interval(args)

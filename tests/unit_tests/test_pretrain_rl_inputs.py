@@ -70,6 +70,15 @@ def test_an_hf_checkpoint_without_weights_is_refused_before_the_gpu(pretrain_rl,
                           "--save", str(tmp_path / "ckpt"), "--save-hf", str(tmp_path / "out")])
 
 
+def test_a_recipe_without_a_model_names_hf_checkpoint(pretrain_rl):
+    """The Qwen recipe without --hf-checkpoint ended in megatron-core's "either num-layers or
+    encoder-num-layers should be specified"."""
+    with pytest.raises(SystemExit, match=r"^pretrain_rl.py: error: no model: neither --num-layers nor "
+                                         r"--hybrid-layer-pattern is given; .* takes them from --hf-checkpoint DIR$"):
+        pretrain_rl.main(["--recipe", os.path.join(REPO, "examples", "recipes", "qwen3_math_dapo.yaml"),
+                          "--rl-dataset", os.path.join(REPO, "README.md")])
+
+
 def test_generator_ranks_that_leave_no_trainer_are_refused_before_the_gpu(pretrain_rl, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
