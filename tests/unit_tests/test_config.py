@@ -164,7 +164,7 @@ def test_megatron_cores_own_refusals_are_errors_that_say_what(monkeypatch):
 
     with pytest.raises(ValueError, match=r"^megatron-core refuses these arguments: "
                                          r"assert args.micro_batch_size is not None$"):
-        parse_args(["--hidden-size", "64"])
+        parse_args(["--hidden-size", "64", "--num-layers", "2"])
 
     def validate_args(args):
         raise AssertionError("either num-layers or encoder-num-layers should be specified")
