@@ -26,7 +26,7 @@ def read_jsonl(path: str) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         text = f.read()
     records = []
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 and the like may sit in a string
         if not line.strip():
             continue
         try:

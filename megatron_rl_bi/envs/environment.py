@@ -82,7 +82,7 @@ def call_all(calls: list[Callable[[], object]], timeout_s: float, workers: int |
     """Every call on the pool of `workers` threads (default_workers() when None), in order; each
     call has `timeout_s` from its own start, after which it has TIMED_OUT (whatever it returns
     later is dropped)."""
-    return _pool(workers or default_workers()).call_all(calls, timeout_s)
+    return _pool(default_workers() if workers is None else workers).call_all(calls, timeout_s)
 
 
 @functools.cache
@@ -108,7 +108,7 @@ class EnvironmentPool:
     def __init__(self, workers: int):
         if workers < 1:
             raise ValueError(f"--rl-env-workers must be >= 1, got {workers}")
-        self.workers, self.replaced = workers, 0
+        self.replaced = 0
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         for _ in range(workers):
             self._start_worker()

@@ -76,3 +76,5 @@ def test_the_default_pool_is_sized_from_the_cpus_and_a_size_below_one_is_refused
     assert running.most == 4
     with pytest.raises(ValueError, match="--rl-env-workers must be >= 1, got 0"):
         EnvironmentPool(0)
+    with pytest.raises(ValueError, match="--rl-env-workers must be >= 1, got 0"):  # not the default
+        call_all([lambda: 1], timeout_s=5, workers=0)

@@ -71,6 +71,14 @@ def test_a_pretty_printed_json_file_is_named_as_one_document_not_jsonl(tmp_path)
         read_step_records(str(path))
 
 
+def test_a_record_whose_text_holds_unicode_line_separators_is_one_record(tmp_path):
+    """JSON keeps U+2028 and a form feed raw in a string (ensure_ascii=False); a line is cut at
+    newlines only."""
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"step": 1, "note": "a\u2028b\x0cc"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert read_step_records(str(path))[1]["note"] == "a\u2028b\x0cc"
+
+
 def test_a_file_without_step_records_is_an_error(tmp_path):
     """An empty or header-only file compared as "every reference value reproduced" and plotted
     as empty axes."""
