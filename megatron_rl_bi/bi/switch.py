@@ -14,7 +14,8 @@ patches look them up:
 - its TE fused-norm patch (`_te_apply_normalization_patched`, ~8 fp32 passes) by
   `bi.rmsnorm.te_apply_normalization`.
 It also makes torch's embedding backward repeat its bits (`bi.embedding`: one op run with torch's
-deterministic-algorithms flag), which megatron-core leaves to chance.
+deterministic-algorithms flag), which megatron-core leaves to chance, and Triton's autotuned
+kernels (fla's chunked GDN kernels) choose their configuration without timing (`bi.autotune`).
 
 Modules of this package ask `enabled()` at forward time; nobody threads a flag through call chains.
 
@@ -29,7 +30,7 @@ from collections.abc import Iterator
 from megatron.core.transformer.custom_layers import batch_invariant_kernels as _mcore_bik
 
 from megatron_rl_bi import compat
-from megatron_rl_bi.bi import embedding, gemm, log_softmax, mean, rmsnorm, te_gemm
+from megatron_rl_bi.bi import autotune, embedding, gemm, log_softmax, mean, rmsnorm, te_gemm
 
 # megatron-core's BI pieces that its overrides look up at call time, or its enabling installs into
 # TE (so ours go in first), and ours.
@@ -59,6 +60,7 @@ def enable() -> None:
         with compat.transformer_engine_optional():
             _mcore_bik.enable_batch_invariant_mode()
         embedding.install()
+        autotune.install()
     except Exception as exc:
         disable()
         raise BatchInvariantModeError(
@@ -68,6 +70,7 @@ def enable() -> None:
 
 
 def disable() -> None:
+    autotune.uninstall()
     embedding.uninstall()
     _mcore_bik.disable_batch_invariant_mode()
     for name, kernel in _UPSTREAM.items():

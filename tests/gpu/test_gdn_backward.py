@@ -107,3 +107,76 @@ def test_where_fla_refuses_its_backward_the_kernel_stands_in():
     out, _ = gated_delta_rule(*inputs[:5], initial_state=inputs[5], cu_seqlens=cu, chunk_backend="auto")
     out.sum().backward()
     assert gated_delta_rule_chunk.chunk_bwd_dqkwg is chunk_bwd_dqkwg
+
+
+def _fla_autotuners() -> list:
+    """Every Triton autotuner of fla's imported modules (under a heuristics wrapper or not)."""
+    import sys
+
+    from triton.runtime.autotuner import Autotuner
+
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("fla.") or module is None:
+            continue
+        for value in vars(module).values():
+            while value is not None and not isinstance(value, Autotuner) and hasattr(value, "fn"):
+                value = value.fn
+            if isinstance(value, Autotuner):
+                found[id(value)] = value
+    return list(found.values())
+
+
+def _bi_backward_under_timings(monkeypatch, fastest_first: bool):
+    """The 'auto' backward's input gradients after every fla autotuner forgot its picks, kept its
+    first and last candidates and had its benchmark rank them first-fastest or last-fastest; and
+    the picks."""
+    tuners = _fla_autotuners()
+    assert tuners, "no fla autotuner found"
+    for tuner in tuners:
+        tuner.cache.clear()
+        tuner.__dict__.pop("_untimed_picks", None)
+        monkeypatch.setattr(tuner, "cache_results", False)
+        # the first and the last candidate alone: the test compiles two a kernel, not dozens
+        monkeypatch.setattr(tuner, "configs", [tuner.configs[0], tuner.configs[-1]])
+        ranks = {id(config): i for i, config in enumerate(tuner.configs)}
+
+        def ranked(kernel_call, quantiles, tuner=tuner, ranks=ranks):
+            kernel_call()
+            rank = ranks[id(tuner._benched)] if hasattr(tuner, "_benched") else 0
+            return [float(rank if fastest_first else -rank)] * len(quantiles)
+        monkeypatch.setitem(tuner.__dict__, "do_bench", ranked)
+    inputs, cu = _packed((4096, 1000, 3096), 4, 64, 64, seed=3)
+    q, k, v, g, beta, state = inputs
+    out, final = gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                  cu_seqlens=cu, forward="recurrent", chunk_backend="auto")
+    torch.autograd.backward([out, final], [torch.ones_like(out), torch.ones_like(final)])
+    return [t.grad for t in inputs], {id(t): dict(t.cache) for t in tuners}
+
+
+def test_bi_backward_bits_do_not_depend_on_the_autotuners_timings(monkeypatch):
+    """fla's chunked kernels pick block sizes by timing (bi/autotune.py): in default mode two
+    rankings of the same candidates pick otherwise and give other gradient bits; with the switch
+    on, every gradient bit is the same whatever the timings say."""
+    from triton.runtime.autotuner import Autotuner
+
+    from megatron_rl_bi import bi
+
+    # the candidate being benched, for the ranking above (Triton passes only a closure to it)
+    timed_bench = Autotuner._bench
+
+    def bench(self, *args, config, **meta):
+        self._benched = config
+        return timed_bench(self, *args, config=config, **meta)
+    monkeypatch.setattr(Autotuner, "_bench", bench)
+    default_grads_first, default_first = _bi_backward_under_timings(monkeypatch, fastest_first=True)
+    default_grads_last, default_last = _bi_backward_under_timings(monkeypatch, fastest_first=False)
+    assert default_first != default_last, "the rankings did not change any pick: the test shows nothing"
+    with bi.batch_invariant():
+        grads_first, _ = _bi_backward_under_timings(monkeypatch, fastest_first=True)
+        grads_last, _ = _bi_backward_under_timings(monkeypatch, fastest_first=False)
+    for name, first, last in zip("q k v g beta state".split(), grads_first, grads_last):
+        assert torch.equal(first, last), name
+    moved = [name for name, first, last in zip("q k v g beta state".split(), default_grads_first, default_grads_last)
+             if not torch.equal(first, last)]
+    assert moved, "in default mode the other picks moved no gradient bit: timings would not explain moved bits"
