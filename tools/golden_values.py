@@ -7,12 +7,13 @@
   .../golden_values_dev_h200.json
       {"<metric>": {"start_step": 1, "end_step": N, "step_interval": 1, "values": {"1": ...}}}
 
-Comparison: every metric of EXACT and APPROXIMATE at every step of the case must be in the golden
+Comparison: every metric of METRICS at every step of the case must be in the golden
 file and in the run (a missing one fails, named); the BI runs' loss, reward, gradient-norm and
-parity metrics exactly (BI runs of these recipes repeat bit for bit); time and memory as the
-median over steps 2..N (step 1, and any step meeting a new shape, compiles) within +-15%, step
-time also within 0.15 s (see TOLERANCES). A golden file carries the provenance stamp of the run
-that wrote it; regenerate refuses a BI run whose parity is not 0. A ckpt-resume case's second
+parity metrics exactly (BI runs of these recipes repeat bit for bit); memory as the median over
+steps 2..N (step 1, and any step meeting a new shape, compiles) within +-15% (see TOLERANCES).
+Step time is written and its median printed beside the golden's, never a failure (REPORTED: it
+measures the machine; speed targets live in bench/). A golden file carries the provenance stamp
+of the run that wrote it; regenerate refuses a BI run whose parity is not 0. A ckpt-resume case's second
 process starts with another --seed (RESUME_SEED) and must log its first step right after the
 checkpoint: only a restored run can then equal the golden values.
 
@@ -43,13 +44,13 @@ GOLDEN = "golden_values_dev_h200.json"
 EXACT = ("loss", "reward/task_mean", "reward/trained_mean", "grad_norm", "bit_wise/tokens",
          "bit_wise/logprob_diff/max", "bit_wise/logprob_diff/abs_mean",
          "bit_wise/ratio_tokens_different")
-# (relative, absolute): a median passes within either. The tiny cases' steps (0.25-0.65 s) are
-# host-bound: on the H200 at fcb3183 the same case's median step time moved 19-42% between two
-# runs minutes apart (0.274 -> 0.388 s, 0.317 -> 0.256, 0.355 -> 0.254), every exact value equal.
-# Hence an absolute floor for time, as Megatron's own iteration-time check has; memory repeats.
-TOLERANCES = {"time/step_s": (0.15, 0.15), "memory/peak_allocated_gib": (0.15, 0.0)}
+# (relative, absolute): a median passes within either. Memory repeats to the sixth decimal.
+TOLERANCES = {"memory/peak_allocated_gib": (0.15, 0.0)}
 APPROXIMATE = tuple(TOLERANCES)
-METRICS = EXACT + APPROXIMATE
+# The tiny cases' steps are host-bound: at 825dee4 two H200s, each running one case alone, gave
+# medians 44% apart (conversation_chat: 1.27 vs 1.83 s) with every exact value equal.
+REPORTED = ("time/step_s",)
+METRICS = EXACT + APPROXIMATE + REPORTED
 PARITY = ("bit_wise/logprob_diff/max", "bit_wise/ratio_tokens_different")
 # The resumed process of a ckpt-resume case runs with this --seed: the checkpoint's must win.
 RESUME_SEED = 271828
@@ -166,6 +167,8 @@ def _median_after_first(values: dict) -> float:
 
 
 def _compare_metric(name: str, expected: dict, actual: dict) -> list[str]:
+    if name in REPORTED:
+        return []
     if name in APPROXIMATE:
         golden, got = _median_after_first(expected), _median_after_first(actual)
         relative, absolute = TOLERANCES[name]
@@ -190,6 +193,18 @@ def compare(golden: dict, records: dict[int, dict], steps: list[int]) -> list[st
             continue
         failures += _compare_metric(name, values, {s: records[int(s)][name] for s in wanted})
     return failures
+
+
+def reported(golden: dict, records: dict[int, dict], steps: list[int]) -> list[str]:
+    """The medians of REPORTED beside the golden file's, for the reader: not pass or fail."""
+    lines = []
+    for name in REPORTED:
+        values = golden.get(name, {}).get("values", {})
+        if all(str(s) in values and name in records.get(s, {}) for s in steps):
+            got = _median_after_first({str(s): records[s][name] for s in steps})
+            lines.append(f"{name}: median {got:.4g} vs golden {_median_after_first(values):.4g} "
+                         "(reported, not checked: a machine's measure)")
+    return lines
 
 
 def _load_all(paths: list[str], mode: str) -> list[tuple[Case, dict | None]]:
@@ -247,6 +262,7 @@ def main() -> None:
             continue
         failures = compare(golden, records, case_steps(case))
         print(f"{case.name}: " + ("passed" if not failures else "FAILED\n  " + "\n  ".join(failures)))
+        print("".join(f"  {line}\n" for line in reported(golden, records, case_steps(case))), end="")
         failed |= bool(failures)
     sys.exit(1 if failed else 0)
 

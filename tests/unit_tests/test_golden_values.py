@@ -1,6 +1,6 @@
-"""The golden-value comparison (CPU): exact metrics must be equal at every step, timing and memory
-medians within 15% (step time also within 0.15 s); a perturbed golden value fails; every case
-file parses."""
+"""The golden-value comparison (CPU): exact metrics must be equal at every step, the memory
+median within 15%, step time reported and never a failure; a perturbed golden value fails; every
+case file parses."""
 
 import importlib.util
 import json
@@ -79,33 +79,34 @@ def test_a_metric_missing_from_the_run_fails():
         "bit_wise/tokens: the run has no value at steps ['3']"]
 
 
-def test_time_and_memory_within_15_percent_of_the_median_after_step_1():
+def test_memory_within_15_percent_of_the_median_after_step_1():
     golden = _golden()
-    slower = {s: {**r, "time/step_s": r["time/step_s"] * 1.1} for s, r in RECORDS.items()}
+    more = {s: {**r, "memory/peak_allocated_gib": 11.4} for s, r in RECORDS.items()}
+    more[1]["memory/peak_allocated_gib"] = 50.0  # step 1 (compilation) does not count
+    assert golden_values.compare(golden, more, STEPS) == []
+    much_more = {s: {**r, "memory/peak_allocated_gib": 11.6} for s, r in RECORDS.items()}
+    assert golden_values.compare(golden, much_more, STEPS) == [
+        "memory/peak_allocated_gib: median 11.6 vs golden 10 (+-15% or 0)"]
+
+
+def test_step_time_is_reported_beside_the_golden_never_a_failure():
+    golden = _golden()
+    slower = {s: {**r, "time/step_s": r["time/step_s"] * 3} for s, r in RECORDS.items()}
     slower[1]["time/step_s"] = 100.0  # step 1 (compilation) does not count
     assert golden_values.compare(golden, slower, STEPS) == []
-    much_slower = {s: {**r, "time/step_s": r["time/step_s"] * 1.2} for s, r in RECORDS.items()}
-    assert golden_values.compare(golden, much_slower, STEPS) == [
-        "time/step_s: median 1.35 vs golden 1.125 (+-15% or 0.15)"]  # steps 2, 3: 1.1, 1.15 (x 1.2)
-
-
-def test_short_steps_pass_within_the_absolute_time_floor_only():
-    golden = _golden(_records(**{"time/step_s": 0.25, "memory/peak_allocated_gib": 4.0}))
-    host_jitter = _records(**{"time/step_s": 0.39, "memory/peak_allocated_gib": 4.0})
-    assert golden_values.compare(golden, host_jitter, STEPS) == []  # +56%, but only 0.14 s
-    slower = _records(**{"time/step_s": 0.41, "memory/peak_allocated_gib": 4.0})
-    assert golden_values.compare(golden, slower, STEPS) == [
-        "time/step_s: median 0.41 vs golden 0.25 (+-15% or 0.15)"]
-    more_memory = _records(**{"time/step_s": 0.25, "memory/peak_allocated_gib": 4.7})
-    assert golden_values.compare(golden, more_memory, STEPS) == [
-        "memory/peak_allocated_gib: median 4.7 vs golden 4 (+-15% or 0)"]  # no floor for memory
+    assert golden_values.reported(golden, slower, STEPS) == [  # steps 2, 3: 1.1, 1.15 (x 3)
+        "time/step_s: median 3.375 vs golden 1.125 (reported, not checked: a machine's measure)"]
+    no_time = {s: {k: v for k, v in r.items() if k != "time/step_s"} for s, r in RECORDS.items()}
+    assert golden_values.compare(golden, no_time, STEPS) == [
+        "time/step_s: the run has no value at steps ['1', '2', '3']"]  # still written, still required
 
 
 def test_one_step_that_compiles_does_not_move_the_median():
     steps = [1, 2, 3, 4, 5]
-    records = {s: {**RECORDS[1], "time/step_s": 1.0} for s in steps}
+    records = {s: {**RECORDS[1], "memory/peak_allocated_gib": 10.0} for s in steps}
     golden = golden_values.golden_from_records(records, steps, STAMP)
-    records[4] = {**records[4], "time/step_s": 3.6}  # a kernel compiled for a new shape
+    records[4] = {**records[4], "memory/peak_allocated_gib": 13.0}  # a new shape's buffers
+    records[5] = {**records[5], "memory/peak_allocated_gib": 11.0}
     assert golden_values.compare(golden, records, steps) == []
 
 
