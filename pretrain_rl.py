@@ -20,6 +20,7 @@ from megatron_rl_bi.checkpoints.hf import HFModel, check_hf_weights, load_hf_wei
 from megatron_rl_bi.checkpoints.megatron import latest_checkpoint, load_pretrained_weights, read_rl_state
 from megatron_rl_bi.config import installed_kernel_problem, parse_rl_args, print_arguments
 from megatron_rl_bi.config.from_args import (
+    code_sandbox_from_args,
     engine_config_from_args,
     engine_shape,
     levers_from_args,
@@ -174,10 +175,11 @@ def read_inputs(argv: list[str] | None) -> RunInputs:
     continue_checkpoint_seed(args)
     tokenizer = build_tokenizer(args.rl_tokenizer, chat_template=not args.rl_no_chat_template)
     engine_config = engine_config_from_args(args, temperature=args.rl_default_temperature)
-    task = build_task(args.rl_task, args.seed, args.rl_dataset, args.rl_env)
+    task = build_task(args.rl_task, args.seed, args.rl_dataset, args.rl_env, code_sandbox_from_args(args),
+                      warmup=args.rl_sft_warmup_steps > 0)
     eval_task = JsonlTask(args.rl_eval_dataset) if args.rl_eval_dataset else None
     for dataset in (task, eval_task):
-        if isinstance(dataset, JsonlTask):
+        if hasattr(dataset, "check_prompts"):
             dataset.check_prompts(tokenizer.encode_prompt, engine_config.max_prompt_tokens)
     eval_examples = eval_task and eval_task.examples
     if args.rl_reward_fn:

@@ -58,10 +58,10 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "(clip-higher 0.28, token mean, dynamic sampling)")
     group.add_argument("--rl-loss-aggregation", choices=["token", "sequence"], default="sequence",
                        help="average the loss over tokens (DAPO) or per completion (GRPO)")
-    group.add_argument("--rl-task", choices=["sort", "countdown", "lookup", "jsonl"], default="sort",
-                       help="sort, countdown, lookup (a key's value that only --rl-env search finds) "
-                       "or jsonl (prompts of --rl-dataset)")
-    group.add_argument("--rl-dataset", default=None, help="JSONL file for --rl-task jsonl")
+    group.add_argument("--rl-task", choices=["sort", "countdown", "lookup", "jsonl", "terminal"], default="sort",
+                       help="sort, countdown, lookup (a key's value that only --rl-env search finds), "
+                       "jsonl (prompts of --rl-dataset) or terminal (--rl-dataset's tasks, --rl-env terminal)")
+    group.add_argument("--rl-dataset", default=None, help="JSONL file for --rl-task jsonl or terminal")
     group.add_argument("--rl-reward-fn", default=None, metavar="MODULE:FUNCTION",
                        help="score completions with this callable (prompt, completion, example) "
                        "-> float instead of the task's verifier (MODULE importable, or FILE.py)")
@@ -118,7 +118,8 @@ def add_multi_turn_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="multi-turn rollouts: each sample a conversation with this environment "
                        "class (reset(example) -> text, step(text) -> (text, reward, done), "
                        "stop_strings), which scores it instead of the task's verifier; built in: "
-                       "'search' (BM25 over a corpus) and 'code' (Python in a sandbox)")
+                       "'search' (BM25 over a corpus), 'code' (Python in a sandbox) and 'terminal' "
+                       "(shell commands in the sandbox, over --rl-task terminal's files)")
     group.add_argument("--rl-search-corpus", default=None,
                        help="--rl-env search: the JSONL corpus ('contents' or 'text' a line; default: "
                        "the task's own, for --rl-task lookup)")
@@ -133,11 +134,12 @@ def add_multi_turn_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        "long each time); then its samples score 0 and are counted as environment failures")
     group.add_argument("--rl-search-top-k", type=int, default=3, help="--rl-env search: passages a search returns")
     group.add_argument("--rl-code-time-limit", type=float, default=5.0,
-                       help="--rl-env code: seconds a program may run (wall clock; CPU time likewise)")
+                       help="--rl-env code: seconds a program may run (wall clock; CPU time likewise); "
+                       "--rl-env terminal: a command likewise")
     group.add_argument("--rl-code-memory-mb", type=int, default=1024,
-                       help="--rl-env code: a program's address space, MiB")
+                       help="--rl-env code and terminal: a process's address space, MiB")
     group.add_argument("--rl-code-python", default=None, metavar="PATH",
-                       help="--rl-env code: the Python the sandbox runs programs with, bound into it "
+                       help="--rl-env code and terminal: the Python the sandbox runs programs (and a terminal's keeper) with, bound into it "
                        "read-only (default: this process's base interpreter, not its virtual environment)")
     group.add_argument("--rl-code-without-isolation", action="store_true",
                        help="--rl-env code: run programs WITHOUT the sandbox's namespaces (as this user, "
@@ -463,9 +465,12 @@ def multi_turn_errors(args: argparse.Namespace) -> list[str]:
         errors.append(f"--rl-search-url {args.rl_search_url}: expected an http:// or https:// URL")
     if not args.rl_search_timeout > 0:
         errors.append(f"--rl-search-timeout must be > 0 seconds, got {args.rl_search_timeout}")
-    errors += [f"{flag} is read by --rl-env code only" for flag, value in
-               (("--rl-code-python", args.rl_code_python), ("--rl-code-without-isolation", args.rl_code_without_isolation))
-               if value and args.rl_env != "code"]
+    errors += [f"{flag} is read by --rl-env code or terminal only" for flag, value in
+               (("--rl-code-python", args.rl_code_python),) if value and args.rl_env not in ("code", "terminal")]
+    if args.rl_code_without_isolation and args.rl_env != "code":
+        errors.append("--rl-code-without-isolation is read by --rl-env code only (a terminal has no unisolated mode)")
+    if (args.rl_task == "terminal") != (args.rl_env == "terminal"):
+        errors.append("--rl-task terminal and --rl-env terminal go together: the environment runs the task's files")
     if not 0 < args.rl_code_time_limit < args.rl_env_timeout:
         errors.append(f"--rl-code-time-limit must be > 0 and below --rl-env-timeout ({args.rl_env_timeout}), "
                       f"got {args.rl_code_time_limit}")
@@ -491,8 +496,8 @@ def validate_rl_args(args: argparse.Namespace, errors: list[str] = ()) -> None:
     if args.rl_generation_lag and not args.rl_partial_rollouts:
         errors.append("--rl-generation-lag needs --rl-partial-rollouts (megatron-core's rule)")
     errors += [*generator_rank_errors(args), *multi_turn_errors(args)]
-    if args.rl_dataset and args.rl_task != "jsonl":
-        errors.append(f"--rl-dataset is read by --rl-task jsonl only (the task is {args.rl_task})")
+    if args.rl_dataset and args.rl_task not in ("jsonl", "terminal"):
+        errors.append(f"--rl-dataset is read by --rl-task jsonl or terminal only (the task is {args.rl_task})")
     early_exit = [flag for flag, value in (("--exit-interval", args.exit_interval),
                                            ("--exit-duration-in-mins", args.exit_duration_in_mins),
                                            ("--exit-signal-handler", args.exit_signal_handler)) if value]

@@ -7,6 +7,8 @@ built once per sample, with
     stop_strings: tuple[str, ...]               text that ends a sampled turn (e.g. "</search>")
     tools: tuple[dict, ...]                     optional: function schemas of its tags, for
                                                 --rl-tool-format chat (envs.tool_format)
+    finish() -> float                           optional: the reward of a conversation the turn
+                                                or context limit cut (a terminal's task tests)
 
 Each call (the constructor and reset together, then each step) runs on one of a bounded pool of
 threads (--rl-env-workers at once; the others wait their turn) with a time limit counted from its
@@ -30,6 +32,7 @@ from megatron_rl_bi.envs.plugins import load_plugin
 from megatron_rl_bi.envs.sandbox import SandboxConfig
 from megatron_rl_bi.envs.retrieval import RemoteRetriever
 from megatron_rl_bi.envs.search import Retriever, read_corpus, search_environment
+from megatron_rl_bi.envs.terminal import terminal_environment
 
 FAILED, TIMED_OUT = "env_failures", "env_timeouts"
 
@@ -38,10 +41,12 @@ def build_environment(spec: str, task, search_corpus: str | None = None, search_
                       code_sandbox: SandboxConfig | None = None,
                       search_server: RemoteRetriever | None = None) -> type:
     """The environment class of --rl-env: the built-in 'search' (a retrieval server's, or BM25 over
-    --rl-search-corpus or the task's own corpus) or 'code' (programs run in `code_sandbox`), or a
-    user's class."""
+    --rl-search-corpus or the task's own corpus), 'code' (programs run in `code_sandbox`) or
+    'terminal' (commands run there, with the system's shell), or a user's class."""
     if spec == "code":
         return code_environment(code_sandbox or SandboxConfig())
+    if spec == "terminal":
+        return terminal_environment(code_sandbox or SandboxConfig())
     if spec != "search":
         return load_environment(spec)
     if search_server is not None:

@@ -8,13 +8,22 @@ its own processes; when the first one ends or is killed, the kernel kills every 
 cgroup. Its filesystem holds, read-only, the system's library directories (`/lib*`, `/usr/lib*`)
 and the sandbox's Python (`SandboxConfig.python`: the interpreter, its standard library), a
 fresh `/proc` and a minimal `/dev`; and one writable directory, `/work`, a fresh tmpfs of
-`disk_mb` holding the files given. No `/etc`, `/home`, `/tmp`, `/usr/bin` or shell, none of the
-caller's environment variables. Inside, before the command starts, a launcher sets the resource
+`disk_mb` holding the files given. No `/etc`, `/home`, `/tmp`, none of the caller's environment
+variables; no `/usr/bin` or shell either, unless `SandboxConfig.shell` binds the system's
+commands (`/bin`, `/usr/bin`) read-only for a terminal. Inside, before the command starts, a launcher sets the resource
 limits: CPU seconds, address space of a process, file size, open files, processes and threads
 (counted per sandbox: RLIMIT_NPROC counts per user namespace). A caller running as root starts
 bubblewrap as uid 65534, since the kernel exempts uid 0 from RLIMIT_NPROC in every namespace.
 At the wall-clock limit bubblewrap is killed, and with it (`--die-with-parent`, the PID
 namespace) every descendant. Each output stream is read back up to `output_bytes`.
+
+`run_keeping_files` (a terminal's turn, whose files must outlive it) runs the command under a
+keeper instead: the keeper reads the command's output through pipes, and once the command
+exits it kills every other process of the sandbox, then writes the regular files of `/work`
+back to the caller. The keeper makes itself non-dumpable first, so the command, though it runs
+as the same user, cannot open the keeper's `/proc` files or trace it, and cannot forge what it
+sends back. A command killed at the limit, or one that kills the keeper, sends nothing: the
+files stay as they were before it.
 
 Not isolated: the kernel itself (there is no seccomp filter; a kernel exploit is out of scope),
 the machine's memory beyond the per-process limit (at most `processes x memory_mb` a sandbox, no
@@ -25,6 +34,8 @@ refuse to start unless the user opts into `isolated=False` (`--rl-code-without-i
 same limits, a fresh directory, the process group killed at the limit, nothing else.
 """
 
+import base64
+import contextlib
 import functools
 import json
 import math
@@ -42,6 +53,7 @@ WORKDIR = "/work"
 NOBODY = 65534
 # The system's library directories, bound read-only (a symbolic link among them stays a link).
 LIBRARY_DIRECTORIES = ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32")
+COMMAND_DIRECTORIES = ("/bin", "/usr/bin")  # SandboxConfig.shell
 
 # Runs inside the sandbox (argv: cpu seconds, address space, file size, open files, processes,
 # then the command): sets the limits, then becomes the command.
@@ -53,6 +65,48 @@ for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, address_sp
                      (resource.RLIMIT_NPROC, processes), (resource.RLIMIT_CORE, 0)):
     resource.setrlimit(limit, (value, value))
 os.execv(sys.argv[6], sys.argv[6:])
+"""
+
+# Runs inside the sandbox (argv: the five limits, bytes of output read back, then the command):
+# runs the command with the limits, kills every process it left, writes its result and the
+# working directory's regular files (base64, mode) to stdout, which the command does not hold.
+_KEEPER = r"""
+import base64, ctypes, json, os, resource, signal, stat, subprocess, sys, threading
+cpu, address_space, file_size, files, processes, output_bytes = map(int, sys.argv[1:7])
+if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0
+    sys.exit("the keeper could not make itself non-dumpable")
+def limit():
+    for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, address_space),
+                         (resource.RLIMIT_FSIZE, file_size), (resource.RLIMIT_NOFILE, files),
+                         (resource.RLIMIT_NPROC, processes), (resource.RLIMIT_CORE, 0)):
+        resource.setrlimit(limit, (value, value))
+command = subprocess.Popen(sys.argv[7:], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, preexec_fn=limit)
+outputs = {}
+def read(name, stream):
+    outputs[name] = stream.read(output_bytes)
+    while stream.read(1 << 16):
+        pass
+readers = [threading.Thread(target=read, args=item) for item in (("stdout", command.stdout), ("stderr", command.stderr))]
+for reader in readers:
+    reader.start()
+returncode = command.wait()
+try:
+    os.kill(-1, signal.SIGKILL)  # every process of the sandbox but this one and bubblewrap's init
+except ProcessLookupError:  # none left
+    pass
+for reader in readers:
+    reader.join()
+kept = {}
+for directory, _, names in os.walk("/work"):
+    for name in names:
+        path = os.path.join(directory, name)
+        info = os.lstat(path)
+        if stat.S_ISREG(info.st_mode):
+            with open(path, "rb") as f:
+                kept[os.path.relpath(path, "/work")] = [base64.b64encode(f.read()).decode(), stat.S_IMODE(info.st_mode)]
+json.dump({"stdout": outputs["stdout"].decode(errors="replace"), "stderr": outputs["stderr"].decode(errors="replace"),
+           "returncode": returncode, "files": kept}, sys.stdout)
 """
 
 
@@ -85,10 +139,20 @@ class SandboxConfig:
     open_files: int = 64
     output_bytes: int = 8192
     """Bytes of stdout, and of stderr, read back."""
+    shell: bool = False
+    """Bind the system's commands (`/bin`, `/usr/bin`: a shell and its tools) read-only."""
 
     def __post_init__(self):
         # the path bound into the sandbox: a link's target (the link's directory is not there)
         object.__setattr__(self, "python", os.path.realpath(self.python))
+
+
+@dataclass(frozen=True)
+class WorkFile:
+    """A file of the working directory: its bytes and permission bits."""
+
+    data: bytes
+    mode: int = 0o644
 
 
 @dataclass(frozen=True)
@@ -99,18 +163,16 @@ class Result:
     """The command's exit status (minus the signal that killed it); None: killed at the time limit."""
 
 
-def run(config: SandboxConfig, command: list[str], files: dict[str, str]) -> Result:
-    """`command` (an absolute path first) run in a fresh working directory holding `files` (name
-    -> text), isolated as the module docstring says (merely limited when not `config.isolated`)."""
-    launch = [config.python, "-I", "-S", "-B", "-c", _LAUNCHER, str(math.ceil(config.seconds)),
-              str(config.memory_mb << 20), str(config.file_mb << 20), str(config.open_files),
-              str(config.processes), *command]
-    with tempfile.TemporaryDirectory(prefix="rl_sandbox_") as scratch:
-        inputs = []
-        for name, text in files.items():
-            inputs.append((name, os.path.join(scratch, f"input{len(inputs)}")))
-            with open(inputs[-1][1], "w", encoding="utf-8") as f:
-                f.write(text)
+Files = dict[str, "str | bytes | WorkFile"]
+"""A working directory's files: a relative path (subdirectories made as needed) -> its text,
+bytes, or WorkFile (with its mode; text and bytes are 0644)."""
+
+
+def run(config: SandboxConfig, command: list[str], files: Files) -> Result:
+    """`command` (an absolute path first) run in a fresh working directory holding `files`,
+    isolated as the module docstring says (merely limited when not `config.isolated`)."""
+    launch = [config.python, "-I", "-S", "-B", "-c", _LAUNCHER, *_limits(config), *command]
+    with _sandbox_inputs(files) as (scratch, inputs):
         with open(os.path.join(scratch, "out"), "w+b") as out, open(os.path.join(scratch, "err"), "w+b") as err:
             if config.isolated:
                 returncode = _run_isolated(config, launch, inputs, out, err)
@@ -119,16 +181,74 @@ def run(config: SandboxConfig, command: list[str], files: dict[str, str]) -> Res
             return Result(_read(out, config.output_bytes), _read(err, config.output_bytes), returncode)
 
 
+def run_keeping_files(config: SandboxConfig, command: list[str], files: Files) -> tuple[Result, dict | None]:
+    """`command` run as `run` does, and the working directory's regular files after it (path ->
+    WorkFile; symbolic links and empty directories are not kept), or None when it sent none back
+    (killed at the time limit, or it killed the keeper): the caller's files then stand. Isolated
+    only: without the namespaces the keeper could not tell the command's processes from the
+    user's, nor keep the command from forging its answer."""
+    if not config.isolated:
+        raise ValueError("run_keeping_files: isolated only (a terminal has no unisolated mode)")
+    launch = [config.python, "-I", "-S", "-B", "-c", _KEEPER, *_limits(config), str(config.output_bytes), *command]
+    with _sandbox_inputs(files) as (scratch, inputs):
+        with open(os.path.join(scratch, "out"), "w+b") as out, open(os.path.join(scratch, "err"), "w+b") as err:
+            returncode = _run_isolated(config, launch, inputs, out, err)
+            out.seek(0)
+            try:  # at most the working directory, base64, and the outputs
+                kept = json.loads(out.read((config.disk_mb << 21) + 4 * config.output_bytes + (1 << 20)))
+            except ValueError:
+                kept = None
+            if returncode != 0 or not isinstance(kept, dict):
+                stopped = Result("", _read(err, config.output_bytes), None if returncode is None else returncode)
+                return stopped, None
+    result = Result(kept["stdout"], kept["stderr"], kept["returncode"])
+    return result, {path: WorkFile(base64.b64decode(data), mode) for path, (data, mode) in kept["files"].items()}
+
+
+def _limits(config: SandboxConfig) -> list[str]:
+    return [str(math.ceil(config.seconds)), str(config.memory_mb << 20), str(config.file_mb << 20),
+            str(config.open_files), str(config.processes)]
+
+
+def check_path(name: str) -> None:
+    """A ValueError naming `name` unless it is a plain relative path (a working directory's file)."""
+    if not name or name.startswith("/") or any(part in ("", ".", "..") for part in name.split("/")):
+        raise ValueError(f"file {name!r}: expected a relative path without '.', '..' or '//'")
+
+
+@contextlib.contextmanager
+def _sandbox_inputs(files: Files):
+    """A scratch directory holding each file's bytes as input0, input1, ...: (scratch, [(path,
+    host file, mode), ...]); a path that is not relative and plain fails, naming it."""
+    with tempfile.TemporaryDirectory(prefix="rl_sandbox_") as scratch:
+        inputs = []
+        for name, content in files.items():
+            check_path(name)
+            if not isinstance(content, WorkFile):
+                content = WorkFile(content.encode() if isinstance(content, str) else content)
+            inputs.append((name, os.path.join(scratch, f"input{len(inputs)}"), content.mode & 0o777))
+            with open(inputs[-1][1], "wb") as f:
+                f.write(content.data)
+        yield scratch, inputs
+
+
 def _run_isolated(config: SandboxConfig, launch: list[str], inputs, out, err) -> int | None:
-    descriptors = [os.open(path, os.O_RDONLY) for _, path in inputs]
+    descriptors = [os.open(path, os.O_RDONLY) for _, path, _ in inputs]
     arguments = [shutil.which(BUBBLEWRAP) or BUBBLEWRAP, "--unshare-all", "--die-with-parent", "--new-session",
                  "--cap-drop", "ALL", "--clearenv", "--uid", str(NOBODY), "--gid", str(NOBODY),
                  "--hostname", "sandbox", "--setenv", "HOME", WORKDIR, "--setenv", "LANG", "C.UTF-8"]
-    for path in _read_only_paths(config.python):
+    if config.shell:
+        arguments += ["--setenv", "PATH", "/usr/bin:/bin"]
+    for path in _read_only_paths(config.python, config.shell):
         arguments += ["--symlink", os.readlink(path), path] if os.path.islink(path) else ["--ro-bind", path, path]
     arguments += ["--proc", "/proc", "--dev", "/dev", "--size", str(config.disk_mb << 20), "--tmpfs", WORKDIR]
-    for (name, _), descriptor in zip(inputs, descriptors):
-        arguments += ["--perms", "0644", "--file", str(descriptor), f"{WORKDIR}/{name}"]
+    made = set()
+    for (name, _, mode), descriptor in zip(inputs, descriptors):
+        for depth in range(1, name.count("/") + 1):
+            if (directory := "/".join(name.split("/")[:depth])) not in made:
+                made.add(directory)
+                arguments += ["--dir", f"{WORKDIR}/{directory}"]
+        arguments += ["--perms", f"{mode:04o}", "--file", str(descriptor), f"{WORKDIR}/{name}"]
     # bwrap's own root tmpfs, read-only once the mounts above are made
     arguments += ["--remount-ro", "/", "--chdir", WORKDIR, "--"]
     unprivileged = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
@@ -143,8 +263,10 @@ def _run_isolated(config: SandboxConfig, launch: list[str], inputs, out, err) ->
 
 def _run_unisolated(config: SandboxConfig, launch: list[str], inputs, out, err) -> int | None:
     with tempfile.TemporaryDirectory(prefix="rl_unisolated_") as directory:
-        for name, path in inputs:
+        for name, path, mode in inputs:
+            os.makedirs(os.path.dirname(os.path.join(directory, name)), exist_ok=True)
             shutil.copyfile(path, os.path.join(directory, name))
+            os.chmod(os.path.join(directory, name), mode)
         return _wait(launch, config, out, err, cwd=directory)
 
 
@@ -167,10 +289,11 @@ def _read(stream, limit: int) -> str:
 
 
 @functools.cache
-def _read_only_paths(python: str) -> tuple[str, ...]:
-    """The library directories that exist, then what of `python` lies outside them (a pyenv or
-    conda installation): the executable, its standard library and its shared-library directory."""
-    paths = [p for p in LIBRARY_DIRECTORIES if os.path.lexists(p)]
+def _read_only_paths(python: str, shell: bool = False) -> tuple[str, ...]:
+    """The library directories that exist (and with `shell` the command directories), then what
+    of `python` lies outside them (a pyenv or conda installation): the executable, its standard
+    library and its shared-library directory."""
+    paths = [p for p in LIBRARY_DIRECTORIES + (COMMAND_DIRECTORIES if shell else ()) if os.path.lexists(p)]
     query = "import json, sys, sysconfig; print(json.dumps([sysconfig.get_config_var('LIBDIR'), " \
             "sysconfig.get_paths()['stdlib'], sys.executable]))"
     found = subprocess.run([python, "-I", "-c", query], capture_output=True, text=True, env={}, check=True)

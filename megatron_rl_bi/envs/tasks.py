@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_rl_bi.envs.search import information
+from megatron_rl_bi.envs.terminal import TerminalTask, observation, read_tasks, solution_output, terminal_environment
 from megatron_rl_bi.envs.verifiers import verify_countdown, verify_exact_match, verify_math, verify_sort
 from megatron_rl_bi.jsonfile import parse_object
 
@@ -28,6 +29,8 @@ class Example:
     learns the model's turns only, as RL does."""
     accepted: tuple[str, ...] = ()
     """Every answer that scores (a QA line's golden answers); empty: `answer` alone."""
+    terminal: TerminalTask | None = None
+    """A terminal task's files, tests and budget (--rl-env terminal)."""
 
 
 class SortTask:
@@ -127,15 +130,49 @@ class JsonlTask:
         """Every prompt encodes (`encode_prompt`, as the rollouts encode it) to at most
         `max_tokens` tokens; otherwise one error naming FILE:LINE, before any GPU work."""
         for line_number, example in zip(self.line_numbers, self.examples):
-            where = f"{self.path}:{line_number}"
-            try:
-                length = len(encode_prompt(example.prompt))
-            except ValueError as exc:
-                raise ValueError(f"{where}: the prompt cannot be tokenized ({exc})") from None
-            if length > max_tokens:
-                raise ValueError(f"{where}: the prompt is {length} tokens; the engine takes at most "
-                                 f"{max_tokens} (raise --inference-max-seq-length and "
-                                 "--inference-dynamic-batching-max-tokens)")
+            _check_prompt(f"{self.path}:{line_number}", example.prompt, encode_prompt, max_tokens)
+
+
+class TerminalTasks:
+    """The tasks of a terminal task file (envs.terminal's layout), each prompted with its
+    instruction as it is. With `demonstrations` (an SFT warm-up) every line needs a 'solution':
+    the warm-up's target is that command, its output (run once in the sandbox) and done."""
+
+    def __init__(self, path: str, sandbox_config, demonstrations: bool = False):
+        self.path, self.lines = path, read_tasks(path)
+        self.size, self.demonstrations = len(self.lines), demonstrations
+        if demonstrations:
+            self.environment = terminal_environment(sandbox_config)
+            if missing := [line for line, task in self.lines if task.solution is None]:
+                raise ValueError(f"{path}:{missing[0]}: field 'solution' is needed for the SFT warm-up "
+                                 "(--rl-sft-warmup-steps)")
+        self._outputs = {}
+
+    def example(self, index: int) -> Example:
+        _, task = self.lines[index]
+        demonstration = None
+        if self.demonstrations:
+            if index not in self._outputs:
+                self._outputs[index] = solution_output(task, self.environment)
+            demonstration = (f"<bash>{task.solution}</bash>", observation(self._outputs[index]), "<done></done>")
+        return Example(prompt=task.instruction, answer=task.solution or "", verify=None,
+                       demonstration=demonstration, terminal=task)
+
+    def check_prompts(self, encode_prompt, max_tokens: int) -> None:
+        """As JsonlTask.check_prompts: every instruction fits the engine, else FILE:LINE."""
+        for line_number, task in self.lines:
+            _check_prompt(f"{self.path}:{line_number}", task.instruction, encode_prompt, max_tokens)
+
+
+def _check_prompt(where: str, prompt: str, encode_prompt, max_tokens: int) -> None:
+    try:
+        length = len(encode_prompt(prompt))
+    except ValueError as exc:
+        raise ValueError(f"{where}: the prompt cannot be tokenized ({exc})") from None
+    if length > max_tokens:
+        raise ValueError(f"{where}: the prompt is {length} tokens; the engine takes at most "
+                         f"{max_tokens} (raise --inference-max-seq-length and "
+                         "--inference-dynamic-batching-max-tokens)")
 
 
 def _utf8_lines(path: str):
@@ -198,9 +235,11 @@ def _question_line(where: str, record: dict) -> Example:
                    verify=functools.partial(verify_exact_match, answers=tuple(answers)))
 
 
-def build_task(name: str, seed: int, dataset: str | None = None, environment: str | None = None):
-    """--rl-task sort|countdown|lookup|jsonl (jsonl needs --rl-dataset FILE); `environment` is
-    --rl-env (countdown's warm-up then shows a conversation with the code environment)."""
+def build_task(name: str, seed: int, dataset: str | None = None, environment: str | None = None,
+               sandbox_config=None, warmup: bool = False):
+    """--rl-task sort|countdown|lookup|jsonl|terminal (jsonl and terminal need --rl-dataset FILE);
+    `environment` is --rl-env (countdown's warm-up then shows a conversation with the code
+    environment); a terminal task's warm-up (`warmup`) runs its solutions in `sandbox_config`."""
     if name == "sort":
         return SortTask(seed)
     if name == "countdown":
@@ -211,7 +250,11 @@ def build_task(name: str, seed: int, dataset: str | None = None, environment: st
         if not dataset:
             raise ValueError("--rl-task jsonl needs --rl-dataset FILE")
         return JsonlTask(dataset)
-    raise ValueError(f"--rl-task {name}: expected sort, countdown, lookup or jsonl")
+    if name == "terminal":
+        if not dataset:
+            raise ValueError("--rl-task terminal needs --rl-dataset FILE (tasks: envs/terminal.py's layout)")
+        return TerminalTasks(dataset, sandbox_config, demonstrations=warmup)
+    raise ValueError(f"--rl-task {name}: expected sort, countdown, lookup, jsonl or terminal")
 
 
 class PromptSource:

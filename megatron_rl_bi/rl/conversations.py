@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from megatron_rl_bi.envs.environment import call_all
+from megatron_rl_bi.envs.environment import FAILED, call_all
 from megatron_rl_bi.envs.tool_format import TagTurns, build_tool_format
 from megatron_rl_bi.inference import Generation, Generator, Sampling
 
@@ -117,6 +117,7 @@ def run_conversations(generator: Generator, examples: list, environment: type, t
             if not open_:
                 break
             _turn(generator, open_, tokenizer, turn_format, sampling, config, context, counts)
+    _finish_cut(conversations, config, counts)
     counts.update(c.problem for c in conversations if c.problem)
     counts.update(turns=sum(c.turns for c in conversations),
                   truncated=sum(not c.over for c in conversations))
@@ -153,6 +154,22 @@ def _turn(generator: Generator, conversations: list[Conversation], tokenizer, tu
             conversation.end()
         else:
             conversation.add(observation, None)
+
+
+def _finish_cut(conversations: list[Conversation], config: TurnConfig, counts: Counter) -> None:
+    """The conversations the turn or context limit cut, scored by their environment's `finish`
+    where it has one (a terminal's task tests); they stay counted as cut."""
+    cut = [c for c in conversations if not c.over and hasattr(c.environment, "finish")]
+    started = time.monotonic()
+    scores = call_all([c.environment.finish for c in cut], config.env_timeout_s, config.env_workers)
+    counts["env_seconds"] += time.monotonic() - started
+    for conversation, outcome in zip(cut, scores):
+        if outcome.problem:
+            conversation.problem, conversation.reward = outcome.problem, 0.0
+        elif math.isfinite(reward := float(outcome.value)):
+            conversation.reward += reward
+        else:
+            conversation.problem, conversation.reward = FAILED, 0.0
 
 
 def _open(environment_class: type, example, turn_format: TagTurns) -> tuple[object, list[int]]:

@@ -99,9 +99,16 @@ def test_a_turn_without_code_or_answer_is_told_so_and_the_conversation_goes_on(l
         0.0, False)
 
 
-@pytest.mark.parametrize("flag", [["--rl-code-python", "/usr/bin/python3"], ["--rl-code-without-isolation"]])
-def test_sandbox_flags_without_the_code_environment_are_refused(flag):
-    with pytest.raises(ValueError, match=f"{flag[0]} is read by --rl-env code only"):
+@pytest.mark.parametrize("flag,error", [
+    (["--rl-code-python", "/usr/bin/python3"], "--rl-code-python is read by --rl-env code or terminal only"),
+    (["--rl-code-without-isolation"], "--rl-code-without-isolation is read by --rl-env code only"),
+    (["--rl-env", "terminal", "--rl-task", "terminal", "--rl-dataset", "t.jsonl", "--rl-code-without-isolation"],
+     r"--rl-code-without-isolation is read by --rl-env code only \(a terminal has no unisolated mode\)"),
+    (["--rl-env", "terminal"], "--rl-task terminal and --rl-env terminal go together"),
+    (["--rl-task", "terminal", "--rl-dataset", "t.jsonl"], "--rl-task terminal and --rl-env terminal go together"),
+])
+def test_sandbox_flags_without_their_environment_are_refused(flag, error):
+    with pytest.raises(ValueError, match=error):
         parse_rl_args(COMMON + flag)
 
 

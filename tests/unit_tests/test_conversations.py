@@ -110,6 +110,22 @@ def test_turn_and_context_limits_cut_a_conversation():
     assert len(conversation.tokens) == 20
 
 
+class Finishing(KeyValue):
+    """Scores a conversation the limits cut as a terminal's tests do: by the state it left."""
+
+    def finish(self):
+        return 0.5
+
+
+def test_a_conversation_the_turn_limit_cuts_is_scored_by_finish_and_counted_cut():
+    engine = ScriptedEngine(["<s>k</s>", "<s>k</s>", "<s>k</s>"])
+    _, [score], counts = run_conversations(engine, [EXAMPLE], Finishing, TOK, SAMPLING, TurnConfig(max_turns=2))
+    assert score == (0.5, None) and (counts["turns"], counts["truncated"]) == (2, 1)
+    engine = ScriptedEngine(["<a>v</a>$"])  # over by its own answer: finish is not called
+    _, [score], _ = run_conversations(engine, [EXAMPLE], Finishing, TOK, SAMPLING, TurnConfig(max_turns=2))
+    assert score == (1.0, None)
+
+
 class Broken(KeyValue):
     def __init__(self):
         if Broken.builds_left == 0:

@@ -36,6 +36,16 @@ def test_the_tiny_recipe_reaches_the_gpu(pretrain_rl):
         pretrain_rl.main(TINY)
 
 
+def test_the_tiny_terminal_recipe_reaches_the_gpu(pretrain_rl, monkeypatch):
+    """Its sandbox checked (bubblewrap runs /bin/sh) and every task's instruction encoded."""
+    from ..sandbox_fixtures import sandbox_python
+
+    recipe = os.path.join(REPO, "examples", "recipes", "tiny_terminal.yaml")
+    monkeypatch.chdir(REPO)  # the recipe names its task file from the repository's root
+    with pytest.raises(ReachedTheGPU):
+        pretrain_rl.main(["--recipe", recipe, "--flash-attention-version", "4", "--rl-code-python", sandbox_python()])
+
+
 def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_before_the_gpu(pretrain_rl):
     with pytest.raises(SystemExit, match=r"^pretrain_rl.py: error: --rl-tokenizer .* tokens, more than "
                                          r"the model's vocabulary \(10\)$"):

@@ -33,7 +33,7 @@ def test_hf_math_recipes(tmp_path, name, save):
 @pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("tiny_*.yaml")))
 def test_tiny_recipes(recipe):
     args = parse_rl_args(["--recipe", str(RECIPES / recipe)])
-    tasks = {"tiny_lookup.yaml": "lookup", "tiny_countdown_code.yaml": "countdown"}
+    tasks = {"tiny_lookup.yaml": "lookup", "tiny_countdown_code.yaml": "countdown", "tiny_terminal.yaml": "terminal"}
     assert args.rl_task == tasks.get(recipe, "sort") and args.train_iters == 120
 
 

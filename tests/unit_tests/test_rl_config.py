@@ -221,7 +221,7 @@ def test_more_bad_rl_flags_are_named(tmp_path):
     message = str(info.value)
     for expected in ("--rl-sft-batch-size must be >= 1", "--rl-dynamic-sampling-max-rounds must be >= 1",
                      "--rl-sft-warmup-steps must be >= 0",
-                     "--rl-dataset is read by --rl-task jsonl only (the task is sort)",
+                     "--rl-dataset is read by --rl-task jsonl or terminal only (the task is sort)",
                      "--exit-interval stop the run with a checkpoint: give --save DIR"):
         assert expected in message
 
