@@ -238,7 +238,10 @@ def save_report_so_far(args, models: dict, profiles: dict, gemm: dict | None, fa
 def main() -> None:
     args = build_parser().parse_args()
     if args.table:
-        report = read_object(args.table)
+        try:
+            report = read_object(args.table)
+        except (OSError, ValueError) as exc:  # missing, unreadable, or not one JSON object
+            raise SystemExit(f"--table {args.table}: {exc}; expected a report of bench/suite.py --output") from None
         if "models" not in report:
             raise SystemExit(f"--table {args.table}: not a report of bench/suite.py (it has no 'models')")
         print(markdown_table(report))

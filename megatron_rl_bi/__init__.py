@@ -1,3 +1,14 @@
 """megatron_rl_bi: GRPO/DAPO on megatron-core where the trainer's logprobs equal the engine's bit for bit."""
 
 __version__ = "0.1.0"
+
+import warnings
+
+# megatron-core (and fla, on a machine without a GPU) warn at import about each optional package
+# they do without: a dozen lines before a run's own output, and before its error. None is about a
+# choice of this package's (--transformer-impl transformer_engine without TE is refused itself).
+for _message in (r"Transformer Engine and Apex are not installed", r"Apex is not installed",
+                 r"absl\.logging is not installed", r"Only transformer-engine>=1\.7\.0 supports MoE experts"):
+    warnings.filterwarnings("ignore", message=_message, category=UserWarning, module=r"megatron\.")
+warnings.filterwarnings("ignore", message=r"Triton is not supported on current platform", category=UserWarning,
+                        module=r"fla\.")

@@ -64,11 +64,16 @@ def _task(rng: random.Random) -> dict:
             "solution": solution, "seconds": 10}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, required=True, help="tasks to write")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", required=True, help="the JSONL file to write")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.count < 1:
         parser.error(f"--count must be >= 1, got {args.count}")

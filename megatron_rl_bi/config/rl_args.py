@@ -17,7 +17,7 @@ import yaml
 from megatron_rl_bi.checkpoints.hf.config import megatron_flags, read_hf_model
 from megatron_rl_bi.checkpoints.megatron import resolve_checkpoint_dir
 from megatron_rl_bi.config.hf_args import add_hf_args, checkpoint_flag_errors
-from megatron_rl_bi.config.megatron_args import parse_args, raise_if_invalid
+from megatron_rl_bi.config.megatron_args import build_parser, parse_args, raise_if_invalid
 from megatron_rl_bi.inference.engine import PREFIX_CACHING_ON_HYBRID
 
 RL_DEFAULTS = dict(
@@ -53,6 +53,8 @@ LOSS_PRESETS = {
 def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("megatron_rl_bi")
     group.add_argument("--recipe", default=None, help="YAML file of flag values (CLI overrides)")
+    group.add_argument("--help-all", action="store_true",
+                       help="show every flag, Megatron's own included (--help: this package's), and exit")
     group.add_argument("--rl-loss", choices=sorted(LOSS_PRESETS), default="grpo",
                        help="loss preset: grpo (symmetric clip, sequence mean) or dapo "
                        "(clip-higher 0.28, token mean, dynamic sampling)")
@@ -312,8 +314,35 @@ def unknown_flag_errors(argv: list[str], parser: argparse.ArgumentParser) -> lis
     return errors
 
 
+MOST_NAMED_MEGATRON_FLAGS = ("--batch-invariant-mode", "--flash-attention-version", "--train-iters", "--lr",
+                             "--seed", "--save", "--save-interval", "--load")
+
+
+def short_help(parser: argparse.ArgumentParser) -> str:
+    """--help: this package's flag groups (megatron_rl_bi...), then a line on Megatron's own,
+    which --help-all lists (thousands of lines: model, parallelism, optimizer, checkpoints)."""
+    formatter = parser._get_formatter()
+    formatter.add_usage("pretrain_rl.py [--recipe YAML] [FLAG ...]", [], [])
+    ours = [g for g in parser._action_groups if (g.title or "").startswith("megatron_rl_bi")]
+    for group in ours:
+        formatter.start_section(group.title)
+        formatter.add_arguments(group._group_actions)
+        formatter.end_section()
+    formatter.start_section("Megatron's flags a run names most")
+    formatter.add_arguments([parser._option_string_actions[flag] for flag in MOST_NAMED_MEGATRON_FLAGS])
+    formatter.end_section()
+    others = len(parser._actions) - sum(len(g._group_actions) for g in ours) - len(MOST_NAMED_MEGATRON_FLAGS)
+    formatter.add_text(f"and {others} flags of Megatron's own (--num-layers, --lr, --save, ...): "
+                       "python pretrain_rl.py --help-all")
+    return formatter.format_help()
+
+
 def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv) and "--help-all" not in argv:
+        print(short_help(build_parser(lambda parser: add_hf_args(add_rl_args(parser)))))
+        raise SystemExit(0)
+    argv = ["--help" if arg == "--help-all" else arg for arg in argv]
     recipe_path = _scan(argv, "--recipe")
     model_flags, flag_names = {}, {}
 

@@ -86,6 +86,20 @@ def test_markdown_table_from_a_report():
     assert "extra flags: none, medians of 3 rounds." in suite.markdown_table(report)
 
 
+@pytest.mark.parametrize("content,error", [
+    (None, r"No such file or directory"),
+    ('{"step": 1}\n{"step": 2}\n', r":2: not JSON \(Extra data\)"),
+    ('{"kernels": []}', r"not a report of bench/suite.py \(it has no 'models'\)"),
+])
+def test_table_of_a_file_that_is_not_a_report_is_one_line_naming_it(tmp_path, monkeypatch, content, error):
+    path = tmp_path / "report.json"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setattr("sys.argv", ["suite.py", "--table", str(path)])
+    with pytest.raises(SystemExit, match=f"^--table {path}: .*{error}"):
+        suite.main()
+
+
 def test_a_generation_only_profile_has_no_trainer_ratios_and_says_so():
     engine_only = {key: value for key, value in MODE.items() if key not in ("train_fwd_bwd_s", "rl_update_s")}
     model = suite.summarize({"bi": {**engine_only, "generate_s": 5.0}, "default": engine_only})

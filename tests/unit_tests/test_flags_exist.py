@@ -32,7 +32,7 @@ OTHER_PROGRAMS = {
     **{flag: "bwrap (envs/sandbox.py)" for flag in (
         "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "--clearenv", "--uid", "--gid",
         "--hostname", "--setenv", "--symlink", "--ro-bind", "--proc", "--dev", "--size", "--tmpfs", "--perms",
-        "--file", "--remount-ro", "--chdir")},
+        "--file", "--remount-ro", "--chdir", "--dir")},
 }
 
 
@@ -57,7 +57,7 @@ def _known_flags() -> set[str]:
                _module("tools/results_docs.py").build_parser(), _module("tools/memory_plan.py").build_parser(),
                _module("tools/random_hf_checkpoint.py").build_parser(),
                _module("tools/retrieval_server.py").build_parser(), _module("bench/memory.py").build_parser(),
-               _module("bench/optimizer_offload.py").build_parser()]
+               _module("bench/optimizer_offload.py").build_parser(), _module("tools/terminal_tasks.py").build_parser()]
     return {flag for parser in parsers for action in parser._actions for flag in action.option_strings}
 
 

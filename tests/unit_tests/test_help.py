@@ -1,4 +1,6 @@
-"""`--help` works for the entry points (megatron-core's help text has a bare '%')."""
+"""`--help` works for the entry points (megatron-core's help text has a bare '%'); pretrain_rl.py's
+is this package's flags, with Megatron's behind --help-all, and no warning of megatron-core's
+optional imports comes before a run's own output."""
 
 import argparse
 import os
@@ -48,3 +50,26 @@ def test_escape_keeps_argparse_placeholders():
     parser.add_argument("--x", default=3, help="10% more, %(default)s by default, 50%% off")
     compat.escape_help_percent_signs(parser)
     assert "10% more, 3 by default, 50% off" in parser.format_help()
+
+
+def _run(*flags) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(REPO, "pretrain_rl.py"), *flags], capture_output=True,
+                          text=True, cwd=REPO, timeout=300)
+
+
+def test_help_is_the_packages_flags_and_names_help_all():
+    shown = _run("--help")
+    assert shown.returncode == 0
+    lines = shown.stdout.splitlines()
+    assert lines[0] == "usage: pretrain_rl.py [--recipe YAML] [FLAG ...]" and len(lines) < 300
+    for flag in ("--recipe", "--rl-env", "--hf-checkpoint", "--launch-check", "--batch-invariant-mode"):
+        assert flag in shown.stdout, flag
+    assert "--num-layers NUM_LAYERS" not in shown.stdout
+    assert "python pretrain_rl.py --help-all" in " ".join(shown.stdout.split())  # as argparse wraps it
+    assert "UserWarning" not in shown.stderr, shown.stderr
+
+
+def test_help_all_is_every_flag():
+    shown = _run("--help-all")
+    assert shown.returncode == 0 and len(shown.stdout.splitlines()) > 1000
+    assert "--num-layers NUM_LAYERS" in shown.stdout and "--rl-env" in shown.stdout
