@@ -37,7 +37,7 @@ from megatron_rl_bi.envs.tasks import JsonlTask
 from megatron_rl_bi.envs.tokenizer import build_tokenizer
 from megatron_rl_bi.envs.tool_format import build_tool_format
 from megatron_rl_bi.inference import EngineConfig, Generator
-from megatron_rl_bi.launch import launch_check
+from megatron_rl_bi.launch import launch_check, report_to_torchrun
 from megatron_rl_bi.memory import (
     GIB,
     format_plan,
@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         inputs = read_inputs(argv)
     except ValueError as exc:  # bad input: the message names it, a traceback would bury it
+        report_to_torchrun(f"pretrain_rl.py: error: {exc}")
         raise SystemExit(f"pretrain_rl.py: error: {exc}") from None
     print_arguments(inputs.args)
     if inputs.args.launch_check:

@@ -3,7 +3,12 @@ the process group over gloo and builds megatron-core's data-parallel groups as a
 where it landed, and rank 0 says whether the launch is whole (every rank once, one world size,
 the groups a data-parallel run needs) and the step a --load would resume from: a pre-flight of a
 cluster job (examples/slurm/*.sbatch), runnable on CPU-only nodes. With generator ranks apart
-each process says its role; the trainers are the data-parallel ranks a checkpoint must match."""
+each process says its role; the trainers are the data-parallel ranks a checkpoint must match.
+An input error under torchrun is handed to torchrun's failure summary (`report_to_torchrun`)."""
+
+import json
+import os
+import time
 
 import torch
 
@@ -50,3 +55,13 @@ def launch_check(load_dir: str | None, kernel_problem: str | None = None, genera
     torch.distributed.destroy_process_group()
     if problems:
         raise SystemExit(1)
+
+
+def report_to_torchrun(message: str) -> None:
+    """Under torchrun, `message` written as this process's error (torchelastic's error file):
+    torchrun's failure summary, the last thing it prints, then ends with it instead of a link to
+    its docs, and the error is not buried above the summary."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": str(int(time.time()))}, f)

@@ -46,6 +46,21 @@ def test_the_tiny_terminal_recipe_reaches_the_gpu(pretrain_rl, monkeypatch):
         pretrain_rl.main(["--recipe", recipe, "--flash-attention-version", "4", "--rl-code-python", sandbox_python()])
 
 
+def test_under_torchrun_the_input_error_ends_torchruns_summary():
+    """torchrun prints its failure summary after the process's own output; the error must be its
+    last line, not a link to torch's docs with the error far above."""
+    import subprocess
+    import sys
+
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    done = subprocess.run([torchrun, "--nproc-per-node", "1", os.path.join(REPO, "pretrain_rl.py"), *TINY,
+                           "--rl-max-new-token", "5"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip() and set(line) != {"="}]
+    assert done.returncode != 0
+    assert lines[-2] == "  traceback : pretrain_rl.py: error: invalid arguments:", lines[-3:]
+    assert lines[-1].strip().startswith("--rl-max-new-token: no such flag (did you mean --rl-max-new-tokens")
+
+
 def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_before_the_gpu(pretrain_rl):
     with pytest.raises(SystemExit, match=r"^pretrain_rl.py: error: --rl-tokenizer .* tokens, more than "
                                          r"the model's vocabulary \(10\)$"):
