@@ -136,3 +136,17 @@ def test_result_files_match_the_code_of_their_commit(path):
         if subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO).returncode:
             pytest.skip(f"commit {commit} is not in this clone's history (a shallow clone)")
     assert tool.stamp_problems(path) == []
+
+
+SOURCE_HASH_SINCE = "cc633b9"  # the commit whose stamps first carried a source hash (results/README.md)
+
+
+@pytest.mark.parametrize("path", sorted(set(glob.glob(str(REPO / "results" / "*.json*"))) - set(_stamped_files())),
+                         ids=lambda p: os.path.relpath(p, REPO))
+def test_a_result_file_without_a_source_hash_predates_it(path):
+    for stamp in read_stamps(path):
+        commit = stamp["git_commit"].removesuffix("-dirty")
+        if subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO).returncode:
+            pytest.skip(f"commit {commit} is not in this clone's history (a shallow clone)")
+        later = subprocess.run(["git", "merge-base", "--is-ancestor", SOURCE_HASH_SINCE, commit], cwd=REPO)
+        assert later.returncode == 1, f"{commit} is {SOURCE_HASH_SINCE} or after it, and its stamp has no source hash"
