@@ -50,11 +50,14 @@ LOSS_PRESETS = {
 }
 
 
+def _add_entry_args(group) -> None:
+    group.add_argument("--recipe", default=None, help="YAML file of flag values (CLI overrides)")
+    group.add_argument("--help-all", action="store_true", help="show every flag, Megatron's too, and exit")
+
+
 def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("megatron_rl_bi")
-    group.add_argument("--recipe", default=None, help="YAML file of flag values (CLI overrides)")
-    group.add_argument("--help-all", action="store_true",
-                       help="show every flag, Megatron's own included (--help: this package's), and exit")
+    _add_entry_args(group)
     group.add_argument("--rl-loss", choices=sorted(LOSS_PRESETS), default="grpo",
                        help="loss preset: grpo (symmetric clip, sequence mean) or dapo "
                        "(clip-higher 0.28, token mean, dynamic sampling)")

@@ -53,7 +53,8 @@ def test_under_torchrun_the_input_error_ends_torchruns_summary():
     import sys
 
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    done = subprocess.run([torchrun, "--nproc-per-node", "1", os.path.join(REPO, "pretrain_rl.py"), *TINY,
+    done = subprocess.run([torchrun, "--nproc-per-node", "1", "--master-port", str(free_port()),
+                           os.path.join(REPO, "pretrain_rl.py"), *TINY,
                            "--rl-max-new-token", "5"], capture_output=True, text=True, cwd=REPO, timeout=300)
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip() and set(line) != {"="}]
     assert done.returncode != 0
