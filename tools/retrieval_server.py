@@ -7,6 +7,12 @@ serves several jobs (`--rl-env search --rl-search-url http://HOST:PORT/retrieve`
 
 The corpus is JSONL, one passage a line ("contents" or "text"; a document's id is its line's
 index among the passages). A bad request is answered 400 with {"error": ...}.
+
+With a local Hugging Face encoder (e5's kind: mean pooling, "query: " / "passage: " prefixes) the
+index is dense (megatron_rl_bi/envs/dense_index.py), over the passages' embeddings computed once:
+
+  python tools/retrieval_server.py --corpus wiki.jsonl --dense-encoder e5 --write-embeddings wiki.npy
+  python tools/retrieval_server.py --corpus wiki.jsonl --dense-encoder e5 --dense-embeddings wiki.npy
 """
 
 import argparse
@@ -18,10 +24,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_rl_bi.envs.dense_index import DenseEncoder, DenseRetriever, write_embeddings  # noqa: E402
 from megatron_rl_bi.envs.search import Retriever, read_corpus  # noqa: E402
 
 
-def answer(retriever: Retriever, request: object) -> dict:
+def answer(retriever: Retriever | DenseRetriever, request: object) -> dict:
     """The protocol's answer to one request body; ValueError for a malformed one."""
     if not isinstance(request, dict) or not isinstance(request.get("queries"), list):
         raise ValueError('expected {"queries": [...], "topk": k, "return_scores": bool}')
@@ -36,7 +43,7 @@ def answer(retriever: Retriever, request: object) -> dict:
     return {"result": result}
 
 
-def make_server(retriever: Retriever, host: str, port: int) -> ThreadingHTTPServer:
+def make_server(retriever: Retriever | DenseRetriever, host: str, port: int) -> ThreadingHTTPServer:
     """The server (not yet serving: call serve_forever); port 0 picks a free one."""
     lock = threading.Lock()  # one search at a time: the index is shared
 
@@ -71,12 +78,46 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--corpus", required=True, help="JSONL, one passage a line ('contents' or 'text')")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000, help="0: a free port (printed)")
+    parser.add_argument("--dense-encoder", default=None, metavar="DIR",
+                        help="a local Hugging Face encoder: search by its embeddings, not BM25")
+    parser.add_argument("--dense-embeddings", default=None, metavar="FILE.npy",
+                        help="--dense-encoder: the passages' embeddings ([passages, dim] float32)")
+    parser.add_argument("--write-embeddings", default=None, metavar="FILE.npy",
+                        help="--dense-encoder: compute the passages' embeddings into FILE and exit")
+    parser.add_argument("--dense-query-prefix", default="query: ", help="--dense-encoder: before each query")
+    parser.add_argument("--dense-passage-prefix", default="passage: ",
+                        help="--write-embeddings: before each passage")
     return parser
 
 
+def build_retriever(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """BM25 over the corpus, or the dense index of --dense-encoder and --dense-embeddings; None
+    after --write-embeddings (done). A missing or contradictory flag is a parser error."""
+    passages = read_corpus(args.corpus)
+    if not args.dense_encoder:
+        if args.dense_embeddings or args.write_embeddings:
+            parser.error("--dense-embeddings and --write-embeddings need --dense-encoder DIR")
+        return Retriever(passages)
+    if bool(args.dense_embeddings) == bool(args.write_embeddings):
+        parser.error("--dense-encoder needs one of --dense-embeddings FILE (serve) or --write-embeddings FILE")
+    try:
+        encoder = DenseEncoder(args.dense_encoder)
+        if args.write_embeddings:
+            write_embeddings(passages, encoder, args.write_embeddings, args.dense_passage_prefix)
+            print(f"wrote the embeddings of {len(passages)} passages to {args.write_embeddings}")
+            return None
+        return DenseRetriever(passages, args.dense_embeddings, encoder, args.dense_query_prefix)
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+
+
 def main() -> None:
-    args = build_parser().parse_args()
-    server = make_server(Retriever(read_corpus(args.corpus)), args.host, args.port)
+    parser = build_parser()
+    args = parser.parse_args()
+    retriever = build_retriever(args, parser)
+    if retriever is None:
+        return
+    server = make_server(retriever, args.host, args.port)
     host, port = server.server_address[:2]
     print(f"serving http://{host}:{port}/retrieve", flush=True)
     server.serve_forever()

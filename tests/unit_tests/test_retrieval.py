@@ -1,6 +1,7 @@
 """The retrieval server protocol (envs.retrieval, tools/retrieval_server.py) against the real
 server on 127.0.0.1: Search-R1's fields, one request for a turn's searches, and a server that is
-slow, errors, or is down (only the affected samples fail, counted)."""
+slow, errors, or is down (only the affected samples fail, counted); its dense index over a tiny
+random encoder made in the test."""
 
 import json
 import os
@@ -150,3 +151,84 @@ def test_the_server_runs_from_its_command_line(tmp_path):
     finally:
         process.kill()
         process.wait()
+
+
+@pytest.fixture(scope="module")
+def encoder_dir(tmp_path_factory):
+    """A tiny random BERT and the test's byte-level tokenizer, saved as a user's encoder is."""
+    import torch
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    directory = tmp_path_factory.mktemp("encoder")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(REPO, "tests", "functional_tests", "assets",
+                                                                    "chat_tokenizer", "tokenizer.json"),
+                                        pad_token="<|endoftext|>")
+    tokenizer.save_pretrained(directory)
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=64)).save_pretrained(directory)
+    return str(directory)
+
+
+def _server_command(*flags):
+    return [sys.executable, os.path.join(REPO, "tools", "retrieval_server.py"), *flags]
+
+
+def test_the_dense_index_serves_each_passage_as_its_own_best_match(tmp_path, encoder_dir):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"contents": p}) + "\n" for p in CORPUS))
+    embeddings = tmp_path / "corpus.npy"
+    no_prefix = ["--dense-query-prefix", "", "--dense-passage-prefix", ""]
+    written = subprocess.run(_server_command("--corpus", str(corpus), "--dense-encoder", encoder_dir,
+                                             "--write-embeddings", str(embeddings), *no_prefix),
+                             capture_output=True, text=True, timeout=300)
+    assert written.returncode == 0 and "wrote the embeddings of 4 passages" in written.stdout, written.stderr[-2000:]
+    process = subprocess.Popen(_server_command("--corpus", str(corpus), "--dense-encoder", encoder_dir,
+                                               "--dense-embeddings", str(embeddings), "--port", "0", *no_prefix),
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        url = next(line for line in process.stdout if line.startswith("serving ")).split()[-1]
+        for index, passage in enumerate(CORPUS):  # a query of a passage's own text: inner product 1
+            [[best, *_]] = post(url, {"queries": [passage], "topk": 4, "return_scores": True})["result"]
+            assert best["document"] == {"id": str(index), "contents": passage}
+            assert abs(best["score"] - 1.0) < 1e-5
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_dense_flags_and_embeddings_that_do_not_fit_are_named(tmp_path, encoder_dir):
+    import numpy as np
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"contents": p}) + "\n" for p in CORPUS))
+    wrong = tmp_path / "wrong.npy"
+    np.save(wrong, np.zeros((3, 32), np.float32))
+    for flags, error in [(["--dense-embeddings", str(wrong)], "need --dense-encoder DIR"),
+                         (["--dense-encoder", encoder_dir], "needs one of --dense-embeddings FILE"),
+                         (["--dense-encoder", encoder_dir, "--dense-embeddings", str(wrong)],
+                          f"--dense-embeddings {wrong}: shape (3, 32), expected [4 passages, dim]"),
+                         (["--dense-encoder", str(tmp_path), "--dense-embeddings", str(wrong)],
+                          f"--dense-encoder {tmp_path}: cannot load an encoder")]:
+        done = subprocess.run(_server_command("--corpus", str(corpus), *flags), capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 2 and error in done.stderr, done.stderr[-1500:]
+
+
+def test_the_encoder_mean_pools_the_texts_own_tokens(encoder_dir):
+    """e5's pooling: the mean of the last hidden states over the text's tokens (padding left out),
+    L2-normalized; computed here by hand from the model's outputs."""
+    import numpy as np
+    import torch
+
+    from megatron_rl_bi.envs.dense_index import DenseEncoder
+
+    encoder = DenseEncoder(encoder_dir)
+    short, long = "query: river", "query: the highest mountain of the world"
+    with torch.no_grad():
+        hidden = encoder.model(**encoder.tokenizer([short], return_tensors="pt")).last_hidden_state[0]
+    expected = (hidden.mean(0) / hidden.mean(0).norm()).numpy()
+    alone, padded = encoder.encode([short]), encoder.encode([long, short])
+    assert np.allclose(alone[0], expected, atol=1e-6)
+    assert np.allclose(padded[1], alone[0], atol=1e-5)  # the padding of a batch does not count
+    assert np.allclose(np.linalg.norm(padded, axis=1), 1.0, atol=1e-6)
