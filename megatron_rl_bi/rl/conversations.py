@@ -160,6 +160,8 @@ def _finish_cut(conversations: list[Conversation], config: TurnConfig, counts: C
     """The conversations the turn or context limit cut, scored by their environment's `finish`
     where it has one (a terminal's task tests); they stay counted as cut."""
     cut = [c for c in conversations if not c.over and hasattr(c.environment, "finish")]
+    if not cut:
+        return
     started = time.monotonic()
     scores = call_all([c.environment.finish for c in cut], config.env_timeout_s, config.env_workers)
     counts["env_seconds"] += time.monotonic() - started
