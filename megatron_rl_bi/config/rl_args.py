@@ -335,7 +335,8 @@ def short_help(parser: argparse.ArgumentParser) -> str:
     formatter.add_arguments([parser._option_string_actions[flag] for flag in MOST_NAMED_MEGATRON_FLAGS])
     formatter.end_section()
     others = len(parser._actions) - sum(len(g._group_actions) for g in ours) - len(MOST_NAMED_MEGATRON_FLAGS)
-    formatter.add_text(f"and {others} flags of Megatron's own (--num-layers, --lr, --save, ...): "
+    formatter.add_text(f"and {others} flags of Megatron's own (--num-layers, --hidden-size, --micro-batch-size, "
+                       "...): "
                        "python pretrain_rl.py --help-all")
     return formatter.format_help()
 
@@ -497,8 +498,8 @@ def multi_turn_errors(args: argparse.Namespace) -> list[str]:
         errors.append(f"--rl-search-url {args.rl_search_url}: expected an http:// or https:// URL")
     if not args.rl_search_timeout > 0:
         errors.append(f"--rl-search-timeout must be > 0 seconds, got {args.rl_search_timeout}")
-    errors += [f"{flag} is read by --rl-env code or terminal only" for flag, value in
-               (("--rl-code-python", args.rl_code_python),) if value and args.rl_env not in ("code", "terminal")]
+    if args.rl_code_python and args.rl_env not in ("code", "terminal"):
+        errors.append("--rl-code-python is read by --rl-env code or terminal only")
     if args.rl_code_without_isolation and args.rl_env != "code":
         errors.append("--rl-code-without-isolation is read by --rl-env code only (a terminal has no unisolated mode)")
     if (args.rl_task == "terminal") != (args.rl_env == "terminal"):

@@ -67,21 +67,16 @@ for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, address_sp
 os.execv(sys.argv[6], sys.argv[6:])
 """
 
-# Runs inside the sandbox (argv: the five limits, bytes of output read back, then the command):
-# runs the command with the limits, kills every process it left, writes its result and the
-# working directory's regular files (base64, mode) to stdout, which the command does not hold.
+# Runs inside the sandbox (argv: bytes of output read back, then the launcher's command line):
+# runs the launcher (the limits, then the command), kills every process it left, writes its
+# result and the working directory's regular files (base64, mode) to stdout, which the command
+# does not hold.
 _KEEPER = r"""
-import base64, ctypes, json, os, resource, signal, stat, subprocess, sys, threading
-cpu, address_space, file_size, files, processes, output_bytes = map(int, sys.argv[1:7])
+import base64, ctypes, json, os, signal, stat, subprocess, sys, threading
+output_bytes = int(sys.argv[1])
 if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0
     sys.exit("the keeper could not make itself non-dumpable")
-def limit():
-    for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, address_space),
-                         (resource.RLIMIT_FSIZE, file_size), (resource.RLIMIT_NOFILE, files),
-                         (resource.RLIMIT_NPROC, processes), (resource.RLIMIT_CORE, 0)):
-        resource.setrlimit(limit, (value, value))
-command = subprocess.Popen(sys.argv[7:], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, preexec_fn=limit)
+command = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 outputs = {}
 def read(name, stream):
     outputs[name] = stream.read(output_bytes)
@@ -171,14 +166,12 @@ bytes, or WorkFile (with its mode; text and bytes are 0644)."""
 def run(config: SandboxConfig, command: list[str], files: Files) -> Result:
     """`command` (an absolute path first) run in a fresh working directory holding `files`,
     isolated as the module docstring says (merely limited when not `config.isolated`)."""
-    launch = [config.python, "-I", "-S", "-B", "-c", _LAUNCHER, *_limits(config), *command]
-    with _sandbox_inputs(files) as (scratch, inputs):
-        with open(os.path.join(scratch, "out"), "w+b") as out, open(os.path.join(scratch, "err"), "w+b") as err:
-            if config.isolated:
-                returncode = _run_isolated(config, launch, inputs, out, err)
-            else:
-                returncode = _run_unisolated(config, launch, inputs, out, err)
-            return Result(_read(out, config.output_bytes), _read(err, config.output_bytes), returncode)
+    with _sandbox_inputs(files) as (inputs, out, err):
+        if config.isolated:
+            returncode = _run_isolated(config, _launcher(config, command), inputs, out, err)
+        else:
+            returncode = _run_unisolated(config, _launcher(config, command), inputs, out, err)
+        return Result(_read(out, config.output_bytes), _read(err, config.output_bytes), returncode)
 
 
 def run_keeping_files(config: SandboxConfig, command: list[str], files: Files) -> tuple[Result, dict | None]:
@@ -189,25 +182,25 @@ def run_keeping_files(config: SandboxConfig, command: list[str], files: Files) -
     user's, nor keep the command from forging its answer."""
     if not config.isolated:
         raise ValueError("run_keeping_files: isolated only (a terminal has no unisolated mode)")
-    launch = [config.python, "-I", "-S", "-B", "-c", _KEEPER, *_limits(config), str(config.output_bytes), *command]
-    with _sandbox_inputs(files) as (scratch, inputs):
-        with open(os.path.join(scratch, "out"), "w+b") as out, open(os.path.join(scratch, "err"), "w+b") as err:
-            returncode = _run_isolated(config, launch, inputs, out, err)
-            out.seek(0)
-            try:  # at most the working directory, base64, and the outputs
-                kept = json.loads(out.read((config.disk_mb << 21) + 4 * config.output_bytes + (1 << 20)))
-            except ValueError:
-                kept = None
-            if returncode != 0 or not isinstance(kept, dict):
-                stopped = Result("", _read(err, config.output_bytes), None if returncode is None else returncode)
-                return stopped, None
+    keeper = [config.python, "-I", "-S", "-B", "-c", _KEEPER, str(config.output_bytes), *_launcher(config, command)]
+    with _sandbox_inputs(files) as (inputs, out, err):
+        returncode = _run_isolated(config, keeper, inputs, out, err)
+        out.seek(0)
+        try:  # at most the working directory, base64, and the outputs
+            kept = json.loads(out.read((config.disk_mb << 21) + 4 * config.output_bytes + (1 << 20)))
+        except ValueError:
+            kept = None
+        if returncode != 0 or not isinstance(kept, dict):
+            return Result("", _read(err, config.output_bytes), returncode), None
     result = Result(kept["stdout"], kept["stderr"], kept["returncode"])
     return result, {path: WorkFile(base64.b64decode(data), mode) for path, (data, mode) in kept["files"].items()}
 
 
-def _limits(config: SandboxConfig) -> list[str]:
-    return [str(math.ceil(config.seconds)), str(config.memory_mb << 20), str(config.file_mb << 20),
-            str(config.open_files), str(config.processes)]
+def _launcher(config: SandboxConfig, command: list[str]) -> list[str]:
+    """`command` under _LAUNCHER: config's limits set, then the command."""
+    return [config.python, "-I", "-S", "-B", "-c", _LAUNCHER, str(math.ceil(config.seconds)),
+            str(config.memory_mb << 20), str(config.file_mb << 20), str(config.open_files), str(config.processes),
+            *command]
 
 
 def check_path(name: str) -> None:
@@ -218,8 +211,9 @@ def check_path(name: str) -> None:
 
 @contextlib.contextmanager
 def _sandbox_inputs(files: Files):
-    """A scratch directory holding each file's bytes as input0, input1, ...: (scratch, [(path,
-    host file, mode), ...]); a path that is not relative and plain fails, naming it."""
+    """A scratch directory holding each file's bytes as input0, input1, ..., and the command's
+    output files: ([(path, host file, mode), ...], out, err); a path that is not relative and
+    plain fails, naming it."""
     with tempfile.TemporaryDirectory(prefix="rl_sandbox_") as scratch:
         inputs = []
         for name, content in files.items():
@@ -229,7 +223,8 @@ def _sandbox_inputs(files: Files):
             inputs.append((name, os.path.join(scratch, f"input{len(inputs)}"), content.mode & 0o777))
             with open(inputs[-1][1], "wb") as f:
                 f.write(content.data)
-        yield scratch, inputs
+        with open(os.path.join(scratch, "out"), "w+b") as out, open(os.path.join(scratch, "err"), "w+b") as err:
+            yield inputs, out, err
 
 
 def _run_isolated(config: SandboxConfig, launch: list[str], inputs, out, err) -> int | None:

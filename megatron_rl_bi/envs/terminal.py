@@ -22,6 +22,7 @@ Tasks are JSONL (`--rl-task terminal --rl-dataset FILE`), one a line:
 the demonstration's observation).
 """
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -73,10 +74,12 @@ class TerminalEnvironment:
     tools = (BASH_TOOL,)
 
     def reset(self, example) -> str:
-        self.task = example.terminal
-        self.files = dict(self.task.files)
-        self.seconds_left = self.task.seconds
+        self.start(example.terminal)
         return example.prompt
+
+    def start(self, task: TerminalTask) -> None:
+        """The task's files in place, its whole budget left."""
+        self.task, self.files, self.seconds_left = task, dict(task.files), task.seconds
 
     def step(self, text: str) -> tuple[str, float, bool]:
         if text.endswith("</bash>"):
@@ -94,7 +97,8 @@ class TerminalEnvironment:
         limit = f"the command's limit of {self.sandbox_config.seconds:g} s"
         if self.seconds_left < self.sandbox_config.seconds:
             limit = f"the task's budget of {self.task.seconds:g} s ran out"
-        config = _with_seconds(self.sandbox_config, min(self.sandbox_config.seconds, self.seconds_left))
+        config = dataclasses.replace(self.sandbox_config, seconds=max(min(self.sandbox_config.seconds,
+                                                                          self.seconds_left), 0.1))
         started = time.monotonic()
         result, files = sandbox.run_keeping_files(config, ["/bin/sh", "-c", command], self.files)
         self.seconds_left -= time.monotonic() - started
@@ -110,15 +114,11 @@ class TerminalEnvironment:
         return 1.0 if result.returncode == 0 else 0.0
 
 
-def _with_seconds(config: sandbox.SandboxConfig, seconds: float) -> sandbox.SandboxConfig:
-    return sandbox.SandboxConfig(**{**config.__dict__, "seconds": max(seconds, 0.1)})
-
-
 def terminal_environment(config: sandbox.SandboxConfig) -> type:
     """The environment class whose commands run with `config` (and the system's shell); refused
     (a ValueError naming the flag) when the sandbox cannot isolate commands here: a terminal has
     no unisolated mode."""
-    config = sandbox.SandboxConfig(**{**config.__dict__, "shell": True})
+    config = dataclasses.replace(config, shell=True)
     if not config.isolated:
         raise ValueError("--rl-code-without-isolation: --rl-env terminal has no unisolated mode "
                          "(shell commands run only in the sandbox)")
@@ -171,5 +171,5 @@ def _task(record: dict, where: str) -> TerminalTask:
 def solution_output(task: TerminalTask, environment_class: type) -> str:
     """What the model reads after the task's solution, run in the sandbox as a turn is."""
     environment = environment_class()
-    environment.task, environment.files, environment.seconds_left = task, dict(task.files), task.seconds
+    environment.start(task)
     return environment.run(task.solution)

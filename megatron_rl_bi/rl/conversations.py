@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from megatron_rl_bi.envs.environment import FAILED, call_all
+from megatron_rl_bi.envs.environment import call_all
 from megatron_rl_bi.envs.tool_format import TagTurns, build_tool_format
 from megatron_rl_bi.inference import Generation, Generator, Sampling
 
@@ -163,15 +163,22 @@ def _finish_cut(conversations: list[Conversation], config: TurnConfig, counts: C
     if not cut:
         return
     started = time.monotonic()
-    scores = call_all([c.environment.finish for c in cut], config.env_timeout_s, config.env_workers)
+    scores = call_all([functools.partial(_finish, c.environment) for c in cut], config.env_timeout_s,
+                      config.env_workers)
     counts["env_seconds"] += time.monotonic() - started
     for conversation, outcome in zip(cut, scores):
         if outcome.problem:
             conversation.problem, conversation.reward = outcome.problem, 0.0
-        elif math.isfinite(reward := float(outcome.value)):
-            conversation.reward += reward
         else:
-            conversation.problem, conversation.reward = FAILED, 0.0
+            conversation.reward += outcome.value
+
+
+def _finish(environment) -> float:
+    """The environment's finish, checked on the call's own thread as `_step`'s answer is."""
+    reward = float(environment.finish())
+    if not math.isfinite(reward):
+        raise ValueError(f"finish returned {reward}: expected a finite reward")
+    return reward
 
 
 def _open(environment_class: type, example, turn_format: TagTurns) -> tuple[object, list[int]]:

@@ -224,3 +224,9 @@ def test_a_terminal_reaches_no_host_file(environment, tmp_path):
     assert "host" not in output and "No such file" in output and "Read-only file system" in output
     assert not os.path.exists("/usr/bin/x")
 
+
+
+def test_a_command_runs_under_the_sandboxs_limits(environment, tmp_path):
+    env = opened(environment, tmp_path)
+    # address space 512 MiB (KiB), file size 16 MiB (512-byte blocks), 64 open files, CPU 3 s
+    assert bash(env, "ulimit -v; ulimit -f; ulimit -n; ulimit -t")[0] == "\n<output>524288\n32768\n64\n3\n</output>\n"
