@@ -8,7 +8,9 @@
 #   (tools/random_hf_checkpoint.py --num-hidden-layers)
 #   NPROC: processes (GPUs), 1 by default; e.g. NPROC=2 with --rl-generator-ranks 1 --refit-method nccl
 #   for a trainer GPU and a generator GPU, or with --use-distributed-optimizer for data parallelism
-# Writes runs/PRESET[_LAYERSl]_8k/: hf/, memory_plan.json, metrics.jsonl, run.log.
+#   MODE: bi (the default) or default (no --batch-invariant-mode: the same run in the kernels'
+#   own mode, e.g. with --moe-enable-routing-replay to measure how often routing differs)
+# Writes runs/PRESET[_LAYERSl]_8k[_default]/: hf/, memory_plan.json, metrics.jsonl, run.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 preset=$1; steps=${2:-3}; shift $(( $# < 2 ? $# : 2 ))
@@ -19,10 +21,15 @@ case "$preset" in
   qwen3-*) recipe=examples/recipes/qwen3_math_dapo.yaml ;;
   *) echo "rl_at_size.sh: unknown preset $preset (qwen3-4b, qwen3.5-9b, ...)" >&2; exit 2 ;;
 esac
-run=runs/${preset}${layers:+_${layers}l}_8k
+case "${MODE:-bi}" in
+  bi) mode_flags=(--batch-invariant-mode); suffix="" ;;
+  default) mode_flags=(); suffix=_default ;;
+  *) echo "rl_at_size.sh: MODE must be bi or default, got '$MODE'" >&2; exit 2 ;;
+esac
+run=runs/${preset}${layers:+_${layers}l}_8k$suffix
 python tools/random_hf_checkpoint.py "$preset" "$run" ${layers:+--num-hidden-layers "$layers"}
 flags=(--recipe "$recipe" --hf-checkpoint "$run/hf" --rl-dataset "$run/math.jsonl"
-       --batch-invariant-mode --flash-attention-version 4
+       "${mode_flags[@]}" --flash-attention-version 4
        --rl-reward-fn examples/reward_fns/number_share.py:number_share
        --train-iters "$steps" --save-interval 0 --save-hf-interval 0 "$@")
 generators=0 previous=""  # the plan's GPUs are the trainers': NPROC less --rl-generator-ranks

@@ -12,15 +12,16 @@ if [ "$1" = tools/random_hf_checkpoint.py ]; then mkdir -p "$3"; fi
 """
 
 
-def run_stubbed(tmp_path, script: str, *args) -> tuple[subprocess.CompletedProcess, list[str]]:
-    """examples/`script` with `args`: (its completed process, the commands it called, in order)."""
+def run_stubbed(tmp_path, script: str, *args, env: dict | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """examples/`script` with `args` (and `env` added to the environment): (its completed process,
+    the commands it called, in order)."""
     shutil.copytree(os.path.join(REPO, "examples"), tmp_path / "examples")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name in ("python", "torchrun"):
         (bin_dir / name).write_text(STUB)
         (bin_dir / name).chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_LOG": str(tmp_path / "calls")}
+    env = {**os.environ, **(env or {}), "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_LOG": str(tmp_path / "calls")}
     done = subprocess.run(["bash", str(tmp_path / "examples" / script), *args], env=env,
                           capture_output=True, text=True)
     calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []

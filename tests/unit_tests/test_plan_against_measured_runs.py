@@ -32,7 +32,7 @@ RUNS = {
     "rl_qwen3_4b_8k_h200_fused_rope.jsonl": (("rl_at_size.sh", "qwen3-4b", "2"), "qwen3-4b", None),
     "rl_qwen35_9b_8k_h200_8layers_fla_backward.jsonl": (("rl_at_size.sh", "qwen3.5-9b", "3", "8"), "qwen3.5-9b", 8),
     "rl_qwen35_9b_8k_h200_8layers_gdn_kernel.jsonl": (("rl_at_size.sh", "qwen3.5-9b", "2", "8"), "qwen3.5-9b", 8),
-    "rl_qwen3_search_h200.jsonl": (("rl_search_hf.sh", "qwen3-0.6b", "5"), "qwen3-0.6b", None),
+    "rl_qwen3_search_h200.jsonl": (("rl_agent_hf.sh", "search", "qwen3-0.6b", "5"), "qwen3-0.6b", None),
     "rl_tiny_h200.jsonl": (("rl_tiny.sh",), None, None),
     "rl_tiny_hybrid_h200.jsonl": (None, None, None),  # pretrain_rl.py with the flags below
 }

@@ -153,6 +153,27 @@ def test_the_server_runs_from_its_command_line(tmp_path):
         process.wait()
 
 
+def test_the_lookup_corpus_served_answers_as_the_task_searches_in_process(tmp_path):
+    """tools/lookup_corpus.py's file through the server gives every query the passages the lookup
+    task's own index gives it, so the tiny search recipe runs the same through a server."""
+    from megatron_rl_bi.envs.tasks import LookupTask
+    corpus = tmp_path / "lookup.jsonl"
+    subprocess.run([sys.executable, os.path.join(REPO, "tools", "lookup_corpus.py"), "--seed", "1234",
+                    "--output", str(corpus)], check=True, capture_output=True)
+    task = LookupTask(1234)
+    in_process = Retriever(task.corpus)
+    queries = [task.keys[i] for i in range(0, len(task.keys), 97)] + ["is", "b4x 317", "zz9"]
+    with_server = make_server(Retriever([json.loads(line)["contents"] for line in corpus.read_text().splitlines()]),
+                              "127.0.0.1", 0)
+    url = serving(with_server)
+    try:
+        served = RemoteRetriever(url, gather_s=0.0).retrieve(queries, 3)
+    finally:
+        with_server.shutdown()
+    assert served == [in_process.search(query, 3) for query in queries]
+    assert served[0][0] == task.corpus[0]
+
+
 @pytest.fixture(scope="module")
 def encoder_dir(tmp_path_factory):
     """A tiny random BERT and the test's byte-level tokenizer, saved as a user's encoder is."""

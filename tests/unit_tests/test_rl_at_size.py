@@ -31,3 +31,17 @@ def test_layers_as_a_number(tmp_path):
 def test_bad_arguments_stop_before_any_work(tmp_path, args, message):
     done, calls = _run(tmp_path, *args)
     assert done.returncode == 2 and message in done.stderr and calls == []
+
+
+def test_default_mode_drops_batch_invariance_and_writes_its_own_run(tmp_path):
+    done, calls = run_stubbed(tmp_path / "default", "rl_at_size.sh", "qwen3-30b-a3b", "2", "8", env={"MODE": "default"})
+    assert done.returncode == 0, done.stderr
+    assert calls[0].endswith("runs/qwen3-30b-a3b_8l_8k_default --num-hidden-layers 8")
+    assert "--batch-invariant-mode" not in calls[-1] and "runs/qwen3-30b-a3b_8l_8k_default/metrics.jsonl" in calls[-1]
+    done, calls = run_stubbed(tmp_path / "bi", "rl_at_size.sh", "qwen3-30b-a3b", "2", "8")
+    assert "--batch-invariant-mode" in calls[-1] and "runs/qwen3-30b-a3b_8l_8k/metrics.jsonl" in calls[-1]
+
+
+def test_a_bad_mode_stops_before_any_work(tmp_path):
+    done, calls = run_stubbed(tmp_path, "rl_at_size.sh", "qwen3-4b", "2", env={"MODE": "fast"})
+    assert done.returncode == 2 and "MODE must be bi or default, got 'fast'" in done.stderr and calls == []
