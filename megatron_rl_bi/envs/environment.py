@@ -13,13 +13,15 @@ built once per sample, with
 Each call (the constructor and reset together, then each step) runs on one of a bounded pool of
 threads (--rl-env-workers at once; the others wait their turn) with a time limit counted from its
 own start (--rl-env-timeout): a call that raises or runs out of time ends its sample with reward 0
-and is counted (`rollouts/env_failures`, `rollouts/env_timeouts`); the run goes on. A timed-out
+and is counted (`rollouts/env_failures`, `rollouts/env_timeouts`); the run goes on, and the first
+failure of each kind (exception type and message) is logged with its traceback. A timed-out
 call's thread is left to finish on its own (a thread cannot be killed) and a new worker takes its
 place, so a hung environment does not shrink the pool: tools that can hang should bound themselves
 too, as the built-in code sandbox does with a subprocess.
 """
 
 import functools
+import logging
 import os
 import queue
 import threading
@@ -33,6 +35,8 @@ from megatron_rl_bi.envs.sandbox import SandboxConfig
 from megatron_rl_bi.envs.retrieval import RemoteRetriever
 from megatron_rl_bi.envs.search import Retriever, read_corpus, search_environment
 from megatron_rl_bi.envs.terminal import terminal_environment
+
+logger = logging.getLogger(__name__)
 
 FAILED, TIMED_OUT = "env_failures", "env_timeouts"
 
@@ -150,5 +154,22 @@ class EnvironmentPool:
 def _run_into(call: Callable[[], object], outcome: Outcome) -> None:
     try:
         outcome.value = call()
-    except Exception:  # noqa: BLE001 - a user's environment: whatever it raises ends its sample
+    except Exception as exc:  # noqa: BLE001 - a user's environment: whatever it raises ends its sample
         outcome.problem = FAILED
+        _log_first_of_its_kind(exc)
+
+
+_logged_failures: set[tuple[str, str]] = set()
+_logged_failures_lock = threading.Lock()
+
+
+def _log_first_of_its_kind(exc: Exception) -> None:
+    """A failure's traceback, once for each exception type and message: a counted failure with
+    no reason is a bug nobody can find, and one message a sample would flood the log."""
+    kind = (type(exc).__qualname__, str(exc)[:200])
+    with _logged_failures_lock:
+        if kind in _logged_failures:
+            return
+        _logged_failures.add(kind)
+    logger.warning("an environment call raised %s: %s (its sample scores 0, counted in "
+                   "rollouts/env_failures; logged once)", kind[0], exc, exc_info=exc)

@@ -78,3 +78,16 @@ def test_the_default_pool_is_sized_from_the_cpus_and_a_size_below_one_is_refused
         EnvironmentPool(0)
     with pytest.raises(ValueError, match="--rl-env-workers must be >= 1, got 0"):  # not the default
         call_all([lambda: 1], timeout_s=5, workers=0)
+
+
+def test_a_failure_is_logged_with_its_traceback_once_for_each_kind(caplog):
+    def broken(message):
+        raise KeyError(message)
+
+    calls = [lambda: broken("log test files")] * 3 + [lambda: broken("log test tests")] + [lambda: 7]
+    with caplog.at_level("WARNING", logger="megatron_rl_bi.envs.environment"):
+        outcomes = EnvironmentPool(2).call_all(calls, timeout_s=5)
+    assert [o.problem for o in outcomes] == [FAILED] * 4 + [None]
+    logged = [r for r in caplog.records if "an environment call raised KeyError" in r.getMessage()]
+    assert sorted(r.getMessage().split(": ", 1)[1].split(" (")[0] for r in logged) == ["'log test files'", "'log test tests'"]
+    assert all(r.exc_info and "in broken" in caplog.text for r in logged)

@@ -25,6 +25,11 @@ _spec = importlib.util.spec_from_file_location("memory_plan", f"{REPO}/tools/mem
 memory_plan = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(memory_plan)
 
+# the MoE run's flags after rl_at_size.sh's arguments (results/README.md)
+MOE_AT_WIDTH = ("--cuda-graph-impl", "none", "--inference-cuda-graph-scope", "none",
+                "--inference-dynamic-batching-async-sched-mode", "legacy", "--moe-enable-routing-replay",
+                "--rl-max-new-tokens", "512", "--rl-overlong-buffer", "128",
+                "--inference-dynamic-batching-max-requests", "128")
 # result file: (the examples/ script and arguments that made it (results/README.md), or None for
 # the flags beside it; its published configuration (None: the recipe's model); that config's layers)
 RUNS = {
@@ -32,6 +37,8 @@ RUNS = {
     "rl_qwen3_4b_8k_h200_fused_rope.jsonl": (("rl_at_size.sh", "qwen3-4b", "2"), "qwen3-4b", None),
     "rl_qwen35_9b_8k_h200_8layers_fla_backward.jsonl": (("rl_at_size.sh", "qwen3.5-9b", "3", "8"), "qwen3.5-9b", 8),
     "rl_qwen35_9b_8k_h200_8layers_gdn_kernel.jsonl": (("rl_at_size.sh", "qwen3.5-9b", "2", "8"), "qwen3.5-9b", 8),
+    "rl_qwen3_30b_a3b_8layers_h200.jsonl": (("rl_at_size.sh", "qwen3-30b-a3b", "2", "8", *MOE_AT_WIDTH), "qwen3-30b-a3b", 8),
+    "rl_qwen3_terminal_h200.jsonl": (("rl_agent_hf.sh", "terminal", "qwen3-0.6b", "3"), "qwen3-0.6b", None),
     "rl_qwen3_search_h200.jsonl": (("rl_agent_hf.sh", "search", "qwen3-0.6b", "5"), "qwen3-0.6b", None),
     "rl_tiny_h200.jsonl": (("rl_tiny.sh",), None, None),
     "rl_tiny_hybrid_h200.jsonl": (None, None, None),  # pretrain_rl.py with the flags below
