@@ -51,6 +51,7 @@ from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.optimizer import build_ddp_and_optimizer, build_lr_scheduler
 from megatron_rl_bi.reporting.metrics import MetricsLogger
 from megatron_rl_bi.reporting.provenance import provenance
+from megatron_rl_bi.reporting.samples import SampleWriter
 from megatron_rl_bi.rl.generator_apart import rank_batches, rank_validation, serve_generation
 from megatron_rl_bi.rl.loop import run_rl
 from megatron_rl_bi.rl.optimizer_offload import generating
@@ -69,8 +70,9 @@ def build_reference_model(args: argparse.Namespace, policy) -> torch.nn.Module:
     return reference
 
 
-def build_logger(args: argparse.Namespace, memory_plan: dict) -> MetricsLogger | None:
-    """Rank 0 logs, its run header carrying the memory plan; other ranks get None."""
+def build_logger(args: argparse.Namespace, memory_plan: dict, tokenizer) -> MetricsLogger | None:
+    """Rank 0 logs, its run header carrying the memory plan (and its rollouts' text with
+    --rl-samples-jsonl); other ranks get None."""
     if torch.distributed.get_rank() != 0:
         return None
     return MetricsLogger(
@@ -80,6 +82,8 @@ def build_logger(args: argparse.Namespace, memory_plan: dict) -> MetricsLogger |
         wandb_project=args.wandb_project or None,
         run_config={k: str(v) for k, v in vars(args).items()},
         run_info={**provenance(), "memory_plan": memory_plan},
+        samples=SampleWriter(args.rl_samples_jsonl, args.rl_samples_per_step, tokenizer.decode)
+        if args.rl_samples_jsonl else None,
     )
 
 
@@ -256,7 +260,7 @@ def train(inputs: RunInputs, bridge: Bridge | None) -> None:
                 raise SystemExit(f"pretrain_rl.py: error: {exc}") from None
             with generating(optimizer, args.rl_offload_optimizer_during_inference):
                 generator = Generator(model, engine_config)  # its cache sized for this phase
-        logger = build_logger(args, memory_plan(args, inputs.vocab_size))
+        logger = build_logger(args, memory_plan(args, inputs.vocab_size), tokenizer)
         run_rl(ddp=ddp, optimizer=optimizer, generator=generator, task=task, tokenizer=tokenizer,
                rollout_config=inputs.rollout_config,
                step_config=step_config_from_args(args),

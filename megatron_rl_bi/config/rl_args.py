@@ -55,6 +55,18 @@ def _add_entry_args(group) -> None:
     group.add_argument("--help-all", action="store_true", help="show every flag, Megatron's too, and exit")
 
 
+def _add_record_args(group) -> None:
+    """What a run writes beside its checkpoints: metrics, rollouts' text, how many kept."""
+    group.add_argument("--rl-metrics-jsonl", default=None, help="per-step metrics file")
+    group.add_argument("--rl-samples-jsonl", default=None, metavar="FILE",
+                       help="a few rollouts a step as text (prompt, the model's turns and the environment's "
+                            "answers apart, reward, advantage): reporting/samples.py")
+    group.add_argument("--rl-samples-per-step", type=int, default=4, metavar="N",
+                       help="--rl-samples-jsonl: rank 0's first N rollouts of each step")
+    group.add_argument("--rl-keep-last-k", type=int, default=0,
+                       help="keep only the newest K checkpoints under --save (0: all)")
+
+
 def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("megatron_rl_bi")
     _add_entry_args(group)
@@ -95,9 +107,7 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--rl-sft-batch-size", type=int, default=64)
     group.add_argument("--rl-sft-lr", type=float, default=None,
                        help="learning rate of the warm-up (default: --lr)")
-    group.add_argument("--rl-metrics-jsonl", default=None, help="per-step metrics file")
-    group.add_argument("--rl-keep-last-k", type=int, default=0,
-                       help="keep only the newest K checkpoints under --save (0: all)")
+    _add_record_args(group)
     group.add_argument("--rl-keep-old-weights", type=int, default=0, metavar="N",
                        help="with --rl-generation-lag: keep the newest N weight versions on the CPU "
                        "and recompute stale rollouts under the weights that sampled them "
@@ -379,7 +389,7 @@ def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
 # (validate_save_interval).
 AT_LEAST_ONE = ("grpo_prompts_per_step", "grpo_iterations", "rl_max_new_tokens", "rl_micro_batch_tokens",
                 "train_iters", "rl_sft_batch_size", "rl_dynamic_sampling_max_rounds", "rl_max_turns",
-                "rl_tool_output_tokens", "rl_search_top_k", "rl_code_memory_mb")
+                "rl_tool_output_tokens", "rl_search_top_k", "rl_code_memory_mb", "rl_samples_per_step")
 NOT_NEGATIVE = ("rl_search_retries", "rl_sft_warmup_steps", "rl_keep_last_k", "rl_keep_old_weights", "rl_sft_lr", "rl_overlong_penalty",
                 "save_hf_interval", "eval_interval", "exit_interval", "exit_duration_in_mins")
 

@@ -11,6 +11,7 @@ import math
 import os
 
 from megatron_rl_bi.jsonfile import read_jsonl
+from megatron_rl_bi.reporting.samples import SampleWriter
 
 
 class MetricsLogger:
@@ -22,10 +23,12 @@ class MetricsLogger:
         wandb_project: str | None = None,
         run_config: dict | None = None,
         run_info: dict | None = None,
+        samples: SampleWriter | None = None,
     ):
         """run_info (device, commit, versions) and run_config (the flags) open the JSONL as a
-        `{"run": ...}` record, once per start of the process (a resumed run appends one)."""
-        self.total_steps = total_steps
+        `{"run": ...}` record, once per start of the process (a resumed run appends one);
+        `samples` writes a few of each step's rollouts (--rl-samples-jsonl)."""
+        self.total_steps, self.samples = total_steps, samples
         self._jsonl = None
         if jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
@@ -47,11 +50,13 @@ class MetricsLogger:
                 raise ImportError("--wandb-project needs `pip install wandb`") from exc
             self._wandb = wandb.init(project=wandb_project, config=run_config or {})
 
-    def log(self, step: int, metrics: dict) -> None:
+    def log(self, step: int, metrics: dict, rollouts: list = ()) -> None:
         record = {"step": step, **metrics}
         print(self.progress_line(step, metrics), flush=True)
         if self._jsonl:
             self._jsonl.write(json.dumps(record) + "\n")
+        if self.samples:
+            self.samples.write(step, rollouts)
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
         if self._tensorboard:
             for name, value in scalars.items():
@@ -74,6 +79,8 @@ class MetricsLogger:
     def close(self) -> None:
         if self._jsonl:
             self._jsonl.close()
+        if self.samples:
+            self.samples.close()
         if self._tensorboard:
             self._tensorboard.close()
         if self._wandb:

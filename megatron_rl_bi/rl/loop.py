@@ -155,10 +155,10 @@ def _restore_lr_schedule(lr_scheduler, state: dict, load_dir: str) -> None:
 
 
 def _rl_step(ddp, optimizer, ahead: GenerationAhead, step: int, step_config, weight_version, ref_model,
-             lr_scheduler, kept: KeptWeights, peak_memory: PeakMemory) -> dict:
+             lr_scheduler, kept: KeptWeights, peak_memory: PeakMemory) -> tuple[dict, list]:
     """Take the step's rollouts (generating what is due), update; the step's global metrics with
     its timings (generation: what this step spent generating; training: the update, the
-    trainer's forward and backward included) and each phase's peak memory."""
+    trainer's forward and backward included) and each phase's peak memory, and the rollouts."""
     step_start = time.time()
     peaks = {}
     with peak_memory.phase("generation", peaks):
@@ -179,7 +179,7 @@ def _rl_step(ddp, optimizer, ahead: GenerationAhead, step: int, step_config, wei
     tokens = metrics.pop("tokens")
     metrics.update({"time/step_s": step_s, "time/generation_s": generation_s, "time/training_s": training_s,
                     "throughput/tokens_per_s": tokens / step_s})
-    return metrics
+    return metrics, rollouts
 
 
 def _due(step: int, interval: int, last: bool) -> bool:
@@ -294,8 +294,8 @@ def run_rl(
         profiler = StepProfiler(config.profile, torch.distributed.get_rank())
         for step in range(start_step + 1, config.steps + 1):
             with profiler.step(step):
-                metrics = _rl_step(ddp, optimizer, ahead, step, step_config, weight_version, ref_model,
-                                   lr_scheduler, kept, peak_memory)
+                metrics, rollouts = _rl_step(ddp, optimizer, ahead, step, step_config, weight_version, ref_model,
+                                             lr_scheduler, kept, peak_memory)
             weight_version += metrics["optimizer_steps"]
             ahead.published(step, weight_version, ddp)
             kept.keep(weight_version, ddp)
@@ -310,7 +310,7 @@ def run_rl(
             metrics["weight_version"] = weight_version
             metrics["time/eta_s"] = (time.time() - started) / (step - start_step) * (config.steps - step)
             if logger:
-                logger.log(step, metrics)
+                logger.log(step, metrics, rollouts)
             reason = early_stop.reason(step)
             _save(step, weight_version, ddp, optimizer, lr_scheduler, source, ahead, config, hf_model,
                   exiting=reason is not None)

@@ -217,9 +217,10 @@ def test_more_bad_rl_flags_are_named(tmp_path):
     with pytest.raises(ValueError) as info:
         parse_rl_args(MODEL + ["--rl-sft-batch-size", "0", "--rl-dynamic-sampling-max-rounds", "0",
                                "--rl-sft-warmup-steps", "-3", "--rl-dataset", str(tmp_path / "d.jsonl"),
-                               "--exit-interval", "5"])
+                               "--exit-interval", "5", "--rl-samples-per-step", "0"])
     message = str(info.value)
     for expected in ("--rl-sft-batch-size must be >= 1", "--rl-dynamic-sampling-max-rounds must be >= 1",
+                     "--rl-samples-per-step must be >= 1",
                      "--rl-sft-warmup-steps must be >= 0",
                      "--rl-dataset is read by --rl-task jsonl or terminal only (the task is sort)",
                      "--exit-interval stop the run with a checkpoint: give --save DIR"):

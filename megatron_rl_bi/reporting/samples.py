@@ -1,0 +1,46 @@
+"""--rl-samples-jsonl FILE: what the policy wrote, a few rollouts a step, beside the metrics: a
+reward that falls says how much, the samples say why (a redirect dropped, a tag misspelled).
+
+Each line is one rollout of rank 0's first `per_step` of the step: the step, its group, reward
+and advantage, the prompt's text, and the completion as its segments in order, each the model's
+(sampled, what the loss trains) or the environment's (an observation, not trained on).
+"""
+
+import json
+import os
+
+
+def completion_segments(tokens: list[int], sampled: list[bool] | None, decode) -> list[dict]:
+    """[{"model": text} | {"environment": text}, ...]: runs of sampled and of environment tokens,
+    each decoded whole (`sampled` None: every token is the model's)."""
+    if sampled is None:
+        sampled = [True] * len(tokens)
+    segments, start = [], 0
+    for end in range(1, len(tokens) + 1):
+        if end == len(tokens) or sampled[end] != sampled[start]:
+            segments.append({"model" if sampled[start] else "environment": decode(tokens[start:end])})
+            start = end
+    return segments
+
+
+def sample_record(step: int, rollout, decode) -> dict:
+    generation = rollout.generation
+    return {"step": step, "group": rollout.group_id, "reward": rollout.reward, "advantage": rollout.advantage,
+            "prompt": decode(generation.prompt_tokens),
+            "completion": completion_segments(generation.completion_tokens, generation.completion_sampled, decode)}
+
+
+class SampleWriter:
+    """Appends `per_step` rollouts a step to `path` (a resumed run goes on in the same file)."""
+
+    def __init__(self, path: str, per_step: int, decode):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.per_step, self.decode = per_step, decode
+        self._file = open(path, "a", buffering=1, encoding="utf-8")
+
+    def write(self, step: int, rollouts: list) -> None:
+        for rollout in rollouts[:self.per_step]:
+            self._file.write(json.dumps(sample_record(step, rollout, self.decode)) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
