@@ -72,10 +72,11 @@ os.execv(sys.argv[6], sys.argv[6:])
 # result and the working directory's regular files (base64, mode) to stdout, which the command
 # does not hold.
 _KEEPER = r"""
-import base64, ctypes, json, os, signal, stat, subprocess, sys, threading
+import base64, ctypes, json, os, signal, stat, subprocess, sys, threading, time
 output_bytes = int(sys.argv[1])
 if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0
     sys.exit("the keeper could not make itself non-dumpable")
+started = time.monotonic()
 command = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 outputs = {}
 def read(name, stream):
@@ -86,6 +87,7 @@ readers = [threading.Thread(target=read, args=item) for item in (("stdout", comm
 for reader in readers:
     reader.start()
 returncode = command.wait()
+seconds = time.monotonic() - started
 try:
     os.kill(-1, signal.SIGKILL)  # every process of the sandbox but this one and bubblewrap's init
 except ProcessLookupError:  # none left
@@ -101,7 +103,7 @@ for directory, _, names in os.walk("/work"):
             with open(path, "rb") as f:
                 kept[os.path.relpath(path, "/work")] = [base64.b64encode(f.read()).decode(), stat.S_IMODE(info.st_mode)]
 json.dump({"stdout": outputs["stdout"].decode(errors="replace"), "stderr": outputs["stderr"].decode(errors="replace"),
-           "returncode": returncode, "files": kept}, sys.stdout)
+           "returncode": returncode, "seconds": seconds, "files": kept}, sys.stdout)
 """
 
 
@@ -156,6 +158,9 @@ class Result:
     stderr: str
     returncode: int | None
     """The command's exit status (minus the signal that killed it); None: killed at the time limit."""
+    seconds: float | None = None
+    """run_keeping_files: how long the command ran, from its start inside the sandbox to its exit
+    (not the sandbox's start-up, which a busy host stretches); None when it sent nothing back."""
 
 
 Files = dict[str, "str | bytes | WorkFile"]
@@ -192,7 +197,7 @@ def run_keeping_files(config: SandboxConfig, command: list[str], files: Files) -
             kept = None
         if returncode != 0 or not isinstance(kept, dict):
             return Result("", _read(err, config.output_bytes), returncode), None
-    result = Result(kept["stdout"], kept["stderr"], kept["returncode"])
+    result = Result(kept["stdout"], kept["stderr"], kept["returncode"], kept["seconds"])
     return result, {path: WorkFile(base64.b64decode(data), mode) for path, (data, mode) in kept["files"].items()}
 
 

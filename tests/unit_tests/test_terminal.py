@@ -9,6 +9,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import pytest
@@ -125,6 +126,23 @@ def test_the_budget_ends_the_conversation_and_scores_it(environment, tmp_path):
     bash(env, "sleep 1.2")
     output, reward, done = bash(env, "sort ab > cd; sleep 2")  # under 0.8 s left: killed, the sort undone
     assert "(killed: the task's budget of 2 s ran out;" in output and done and reward == 0.0
+
+
+def test_the_budget_charges_the_commands_own_time_not_a_busy_hosts(environment, tmp_path, monkeypatch):
+    """A host that takes 1 s to start each sandbox (a loaded machine) charges the task nothing of
+    it: with the whole call charged, a 1.5 s budget would run out at the second command and the
+    conversation's tokens would follow the machine's load. A killed command is charged its limit."""
+    env = opened(environment, tmp_path, {**SORT_TASK, "seconds": 1.5})
+    slow_start = sandbox._run_isolated
+    monkeypatch.setattr(sandbox, "_run_isolated", lambda *a: time.sleep(1.0) or slow_start(*a))
+    assert bash(env, "true") == ("\n<output></output>\n", 0.0, False)
+    assert bash(env, "sort ab > cd") == ("\n<output></output>\n", 0.0, False)
+    assert 1.0 < env.seconds_left <= 1.5
+    monkeypatch.setattr(sandbox, "_run_isolated", slow_start)
+    left = env.seconds_left
+    output, reward, done = bash(env, "sleep 5")
+    assert "the task's budget of 1.5 s ran out" in output and done and reward == 1.0
+    assert env.seconds_left == 0.0  # charged its limit, which was what was left
 
 
 def test_a_turn_without_an_action_is_told_so(environment, tmp_path):
