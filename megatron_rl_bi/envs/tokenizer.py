@@ -1,8 +1,9 @@
 """Tokenizers: a built-in character tokenizer (no download) and a Hugging Face wrapper.
 
 Both expose what the RL loop needs: `encode(text) -> ids`, `encode_prompt(text) -> ids` (a task
-prompt as the model expects it: through the chat template where there is one), `decode(ids) ->
-text`, `eod`, `vocab_size`.
+prompt as the model expects it: through the chat template where there is one),
+`encode_observation(text) -> ids` (an environment's answer: any text), `decode(ids) -> text`,
+`eod`, `vocab_size`.
 """
 
 import os
@@ -31,6 +32,11 @@ class CharTokenizer:
 
     def encode_prompt(self, text: str) -> list[int]:
         return self.encode(text)
+
+    def encode_observation(self, text: str) -> list[int]:
+        """An environment's answer, which no dataset check has seen (a command's tab, a program's
+        U+FFFD): characters outside the vocabulary read as '?', not a failed sample."""
+        return [self._ids.get(c, self._ids["?"]) for c in text]
 
     def decode(self, ids: list[int]) -> str:
         """Specials decode to nothing; ids past the vocabulary (the model's padded rows) to
@@ -64,6 +70,8 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
+
+    encode_observation = encode  # a byte-level vocabulary encodes any text
 
     def encode_prompt(self, text: str, tools: tuple[dict, ...] | None = None) -> list[int]:
         """`tools` (function schemas) are declared the template's way (--rl-tool-format chat)."""

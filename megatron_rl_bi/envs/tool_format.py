@@ -45,7 +45,7 @@ class TagTurns:
         return text
 
     def observation(self, text: str, max_tokens: int) -> list[int]:
-        return self.tokenizer.encode(text)[:max_tokens]
+        return self.tokenizer.encode_observation(text)[:max_tokens]
 
 
 class ChatTemplateTurns(TagTurns):
@@ -88,7 +88,7 @@ class ChatTemplateTurns(TagTurns):
     def observation(self, text: str, max_tokens: int) -> list[int]:
         """The answer (at most `max_tokens` of it) inside the template's tool message, then the
         next assistant turn's opening."""
-        return self.before + self.tokenizer.encode(text.strip("\n"))[:max_tokens] + self.after
+        return self.before + self.tokenizer.encode_observation(text.strip("\n"))[:max_tokens] + self.after
 
 
 def parse_tool_call(body: str) -> tuple[str, dict] | None:

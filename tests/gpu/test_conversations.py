@@ -34,7 +34,7 @@ class NumberTokenizer:
     def encode(self, text):
         return [int(word) for word in text.split()]
 
-    encode_prompt = encode
+    encode_prompt = encode_observation = encode
 
     def decode(self, ids):
         return " ".join(map(str, ids))

@@ -61,6 +61,25 @@ class ScriptedEngine(ScriptedGenerator):
 EXAMPLE = Example(prompt="find k\n", answer="v", verify=None)
 
 
+class Untidy(KeyValue):
+    """Answers a search with a tab and characters the char tokenizer lacks, as a shell's output can."""
+
+    def step(self, text):
+        if text.endswith("</s>"):
+            return "a\tb\ufffd\u00e9;", 0.0, False
+        return super().step(text)
+
+
+def test_an_answer_outside_the_char_vocabulary_reads_as_question_marks_not_a_failure():
+    assert TOK.encode_observation("a\tb\u00e9\n") == TOK.encode("a?b?\n")
+    with pytest.raises(ValueError, match="outside the char tokenizer's vocabulary"):
+        TOK.encode("a\tb")  # prompts and datasets stay checked
+    engine = ScriptedEngine(["<s>k</s>", "<a>v</a>$"])
+    [conversation], [score], counts = run_conversations(engine, [EXAMPLE], Untidy, TOK, SAMPLING,
+                                                          TurnConfig(max_turns=3))
+    assert TOK.decode(conversation.completion_tokens) == "<s>k</s>a?b??;<a>v</a>" and score == (1.0, None)
+
+
 def test_a_conversation_keeps_who_wrote_each_token():
     engine = ScriptedEngine(["<s>k</s>yy", "<a>v</a>$"])
     [conversation], [score], counts = run_conversations(engine, [EXAMPLE], KeyValue, TOK, SAMPLING,
