@@ -94,12 +94,21 @@ except ProcessLookupError:  # none left
     pass
 for reader in readers:
     reader.join()
+def readable(path, info, bits):  # the command's chmod must not hide its own files from the keeper
+    if stat.S_IMODE(info.st_mode) & bits != bits:
+        os.chmod(path, stat.S_IMODE(info.st_mode) | bits)
 kept = {}
-for directory, _, names in os.walk("/work"):
+readable("/work", os.lstat("/work"), 0o700)
+for directory, subdirectories, names in os.walk("/work"):
+    for name in subdirectories:
+        path = os.path.join(directory, name)
+        if stat.S_ISDIR((info := os.lstat(path)).st_mode):
+            readable(path, info, 0o700)
     for name in names:
         path = os.path.join(directory, name)
         info = os.lstat(path)
         if stat.S_ISREG(info.st_mode):
+            readable(path, info, 0o400)
             with open(path, "rb") as f:
                 kept[os.path.relpath(path, "/work")] = [base64.b64encode(f.read()).decode(), stat.S_IMODE(info.st_mode)]
 json.dump({"stdout": outputs["stdout"].decode(errors="replace"), "stderr": outputs["stderr"].decode(errors="replace"),

@@ -67,6 +67,15 @@ def test_files_outlive_a_turn_and_processes_and_the_directory_do_not(environment
     assert output.startswith("\n<output>0\n") and "No such file" in output
 
 
+def test_files_and_directories_the_command_made_unreadable_are_kept_with_their_modes(environment, tmp_path):
+    """A chmod of the model's hides nothing from the keeper (it read no file and lost the turn, and
+    a `chmod 000 .` lost every file); the files come back with the modes the command left."""
+    env = opened(environment, tmp_path)
+    assert bash(env, "mkdir d && echo x > d/f && chmod 000 ab d/f d .") == ("\n<output></output>\n", 0.0, False)
+    assert bash(env, "ls -l ab d/f | cut -c1-10; chmod 600 ab d/f; cat ab d/f") == (
+        "\n<output>----------\n----------\nb\nc\na\nx\n</output>\n", 0.0, False)
+
+
 def test_a_command_killed_at_its_limit_leaves_the_files_as_they_were(environment, tmp_path):
     env = opened(environment, tmp_path)
     bash(env, "echo before > f")
