@@ -6,6 +6,7 @@ and advantage, the prompt's text, and the completion as its segments in order, e
 (sampled, what the loss trains) or the environment's (an observation, not trained on).
 """
 
+import itertools
 import json
 import os
 
@@ -15,12 +16,8 @@ def completion_segments(tokens: list[int], sampled: list[bool] | None, decode) -
     each decoded whole (`sampled` None: every token is the model's)."""
     if sampled is None:
         sampled = [True] * len(tokens)
-    segments, start = [], 0
-    for end in range(1, len(tokens) + 1):
-        if end == len(tokens) or sampled[end] != sampled[start]:
-            segments.append({"model" if sampled[start] else "environment": decode(tokens[start:end])})
-            start = end
-    return segments
+    return [{"model" if by_model else "environment": decode([token for token, _ in run])}
+            for by_model, run in itertools.groupby(zip(tokens, sampled), key=lambda pair: pair[1])]
 
 
 def sample_record(step: int, rollout, decode) -> dict:

@@ -16,7 +16,7 @@ import pytest
 
 from megatron_rl_bi.envs.environment import FAILED, call_all
 from megatron_rl_bi.envs.retrieval import RemoteRetriever, RetrievalError, passages_of
-from megatron_rl_bi.envs.search import Retriever
+from megatron_rl_bi.envs.search import Retriever, read_corpus
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "tools"))
@@ -163,8 +163,7 @@ def test_the_lookup_corpus_served_answers_as_the_task_searches_in_process(tmp_pa
     task = LookupTask(1234)
     in_process = Retriever(task.corpus)
     queries = [task.keys[i] for i in range(0, len(task.keys), 97)] + ["is", "b4x 317", "zz9"]
-    with_server = make_server(Retriever([json.loads(line)["contents"] for line in corpus.read_text().splitlines()]),
-                              "127.0.0.1", 0)
+    with_server = make_server(Retriever(read_corpus(str(corpus))), "127.0.0.1", 0)
     url = serving(with_server)
     try:
         served = RemoteRetriever(url, gather_s=0.0).retrieve(queries, 3)
