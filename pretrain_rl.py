@@ -10,22 +10,25 @@ checked without a GPU (flags, recipe, tokenizer, dataset lines) is checked befor
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass
 
 import torch
 
 from megatron_rl_bi import bi
 from megatron_rl_bi.bridge import Bridge, Roles, bridge_address, join_world, roles_from_environment
-from megatron_rl_bi.checkpoints.hf import HFModel, check_hf_weights, load_hf_weights, read_hf_model
-from megatron_rl_bi.checkpoints.megatron import latest_checkpoint, load_pretrained_weights, read_rl_state
+from megatron_rl_bi.checkpoints.hf import HFModel, check_hf_weights, read_hf_model
+from megatron_rl_bi.checkpoints.megatron import latest_checkpoint, read_rl_state
 from megatron_rl_bi.config import installed_kernel_problem, parse_rl_args, print_arguments
 from megatron_rl_bi.config.from_args import (
+    build_policy,
     code_sandbox_from_args,
     engine_config_from_args,
     engine_shape,
     levers_from_args,
     loop_config_from_args,
     memory_run_from_args,
+    model_vocab_size,
     rollout_config_from_args,
     sampling_from_args,
     step_config_from_args,
@@ -70,9 +73,10 @@ def build_reference_model(args: argparse.Namespace, policy) -> torch.nn.Module:
     return reference
 
 
-def build_logger(args: argparse.Namespace, memory_plan: dict, tokenizer) -> MetricsLogger | None:
+def build_logger(args: argparse.Namespace, memory_plan: dict, tokenizer, argv: list[str]) -> MetricsLogger | None:
     """Rank 0 logs, its run header carrying the memory plan (and its rollouts' text with
-    --rl-samples-jsonl); other ranks get None."""
+    --rl-samples-jsonl; in BI mode, the parity doctor's command for `argv` should parity break);
+    other ranks get None."""
     if torch.distributed.get_rank() != 0:
         return None
     return MetricsLogger(
@@ -84,6 +88,7 @@ def build_logger(args: argparse.Namespace, memory_plan: dict, tokenizer) -> Metr
         run_info={**provenance(), "memory_plan": memory_plan},
         samples=SampleWriter(args.rl_samples_jsonl, args.rl_samples_per_step, tokenizer.decode)
         if args.rl_samples_jsonl else None,
+        doctor_argv=argv if args.batch_invariant_mode else None,
     )
 
 
@@ -123,24 +128,6 @@ def memory_plan(args: argparse.Namespace, vocab_size: int, generator: bool = Fal
     return plan.summary()
 
 
-def model_vocab_size(args: argparse.Namespace, tokenizer) -> int:
-    vocab_size = args.vocab_size or tokenizer.vocab_size
-    if tokenizer.vocab_size > vocab_size:
-        raise ValueError(f"--rl-tokenizer {args.rl_tokenizer} has {tokenizer.vocab_size} tokens, "
-                         f"more than the model's vocabulary ({vocab_size})")
-    return vocab_size
-
-
-def build_policy(args: argparse.Namespace, vocab_size: int, hf_model: HFModel | None) -> torch.nn.Module:
-    """The model, with the starting weights of --hf-checkpoint or --pretrained-checkpoint."""
-    model = build_model(args, vocab_size)
-    if hf_model is not None:
-        load_hf_weights(model, hf_model)
-    if args.pretrained_checkpoint:
-        load_pretrained_weights(args.pretrained_checkpoint, model)
-    return model
-
-
 @dataclass
 class RunInputs:
     """Everything read and checked before CUDA is touched."""
@@ -154,6 +141,7 @@ class RunInputs:
     eval_examples: list | None
     hf_model: HFModel | None
     roles: Roles
+    argv: list[str]
     kernel_problem: str | None = None
     """With --launch-check: why this node could not run the kernels (the check goes on)."""
 
@@ -174,6 +162,7 @@ def read_inputs(argv: list[str] | None) -> RunInputs:
     """Flags, recipe, tokenizer, datasets (every line), reward function, environment, HF config
     and the seed of a checkpoint to resume, each checked: a bad one raises ValueError naming the flag, file
     or line."""
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_rl_args(argv)
     kernel_problem = installed_kernel_problem(args)
     continue_checkpoint_seed(args)
@@ -200,7 +189,7 @@ def read_inputs(argv: list[str] | None) -> RunInputs:
         build_tool_format(args.rl_tool_format, tokenizer, rollout_config.environment)
     roles = roles_from_environment(args.rl_generator_ranks)
     return RunInputs(args, tokenizer, vocab_size, engine_config, rollout_config, task, eval_examples, hf_model,
-                     roles, kernel_problem)
+                     roles, argv, kernel_problem)
 
 
 def check_kv_cache(args: argparse.Namespace, config: EngineConfig, vocab_size: int) -> None:
@@ -260,7 +249,7 @@ def train(inputs: RunInputs, bridge: Bridge | None) -> None:
                 raise SystemExit(f"pretrain_rl.py: error: {exc}") from None
             with generating(optimizer, args.rl_offload_optimizer_during_inference):
                 generator = Generator(model, engine_config)  # its cache sized for this phase
-        logger = build_logger(args, memory_plan(args, inputs.vocab_size), tokenizer)
+        logger = build_logger(args, memory_plan(args, inputs.vocab_size), tokenizer, inputs.argv)
         run_rl(ddp=ddp, optimizer=optimizer, generator=generator, task=task, tokenizer=tokenizer,
                rollout_config=inputs.rollout_config,
                step_config=step_config_from_args(args),

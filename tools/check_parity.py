@@ -20,14 +20,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_rl_bi import bi  # noqa: E402
-from megatron_rl_bi.config import (  # noqa: E402
-    installed_kernel_problem,
-    parse_args,
-    print_arguments,
-    raise_if_invalid,
-    validate_batch_invariance,
-)
+from megatron_rl_bi.config import installed_kernel_problem, parse_args, print_arguments  # noqa: E402
 from megatron_rl_bi.config.from_args import engine_config_from_args  # noqa: E402
+from megatron_rl_bi.config.parity_args import add_parity_request_args, check_parity_requests  # noqa: E402
 from megatron_rl_bi.distributed import initialize_distributed  # noqa: E402
 from megatron_rl_bi.inference import Generator, Sampling  # noqa: E402
 from megatron_rl_bi.launch import launch_check  # noqa: E402
@@ -35,56 +30,14 @@ from megatron_rl_bi.models.build import build_model, cpu_state_dict  # noqa: E40
 from megatron_rl_bi.parity.harness import random_requests, run_parity  # noqa: E402
 from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
 
-MODES = ("bi", "default")
-
 
 def add_parity_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    group = parser.add_argument_group("parity check")
-    group.add_argument("--parity-modes", nargs="+", choices=MODES, default=list(MODES),
-                       help="kernel modes to compare engine and trainer in")
+    group = add_parity_request_args(parser, "parity check")
     group.add_argument("--parity-vocab-size", type=int, default=32000,
                        help="vocabulary of the random-token requests (the model pads it)")
-    group.add_argument("--parity-requests", type=int, default=32, help="requests per order")
-    group.add_argument("--parity-prompt-lengths", type=int, nargs=2, default=[1, 500],
-                       metavar=("MIN", "MAX"), help="prompt lengths, uniformly mixed")
-    group.add_argument("--parity-max-new-tokens", type=int, nargs=2, default=[1, 256],
-                       metavar=("MIN", "MAX"), help="per-request decode budgets, uniformly mixed")
     group.add_argument("--parity-orders", type=int, default=2,
                        help="admission orders to generate the same requests in")
-    group.add_argument("--parity-micro-batch-tokens", type=int, default=8192,
-                       help="tokens per packed trainer forward")
-    group.add_argument("--parity-temperature", type=float, default=1.0)
-    group.add_argument("--parity-output", default=None, help="JSON file to write")
     return parser
-
-
-def check_request_sizes(args: argparse.Namespace) -> None:
-    errors = [f"{flag} {low} {high}: give 1 <= MIN <= MAX"
-              for flag, (low, high) in (("--parity-prompt-lengths", args.parity_prompt_lengths),
-                                        ("--parity-max-new-tokens", args.parity_max_new_tokens))
-              if not 1 <= low <= high]
-    counts = (("--parity-requests", args.parity_requests), ("--parity-orders", args.parity_orders),
-              ("--parity-vocab-size", args.parity_vocab_size),
-              ("--parity-micro-batch-tokens", args.parity_micro_batch_tokens))
-    errors += [f"{flag} must be >= 1" for flag, value in counts if value < 1]
-    if args.parity_temperature <= 0:
-        errors.append("--parity-temperature must be > 0")
-    if args.parity_output and not os.path.isdir(os.path.dirname(os.path.abspath(args.parity_output))):
-        errors.append(f"--parity-output {args.parity_output}: its directory does not exist")
-    raise_if_invalid(errors)
-    longest = args.parity_prompt_lengths[1] + args.parity_max_new_tokens[1]
-    if longest > args.max_position_embeddings:
-        raise ValueError(
-            f"--parity-prompt-lengths/--parity-max-new-tokens allow {longest} tokens but "
-            f"--max-position-embeddings is {args.max_position_embeddings}"
-        )
-    if longest > args.inference_max_seq_length:
-        raise ValueError(
-            f"--inference-max-seq-length {args.inference_max_seq_length} is below the longest "
-            f"request ({longest} tokens)"
-        )
-    if "bi" in args.parity_modes:
-        validate_batch_invariance(args, batch_invariant=True)
 
 
 def summarize(result: dict) -> dict:
@@ -103,7 +56,7 @@ def summarize(result: dict) -> dict:
 def main() -> None:
     try:
         args = parse_args(extra_args_provider=add_parity_args)
-        check_request_sizes(args)
+        check_parity_requests(args)
         kernel_problem = installed_kernel_problem(args)
     except ValueError as exc:  # bad input: the message names it, a traceback would bury it
         raise SystemExit(f"check_parity.py: error: {exc}") from None

@@ -5,7 +5,8 @@ FA4 `flash_attn.cute.flash_attn_varlen_func`, FA3 `flash_attn_3`, with `num_spli
 The local spec's `DotProductAttention` is unfused baddbmm+softmax and rejects THD input, so the
 trainer would run a different kernel. This module calls the same generation, version pinned by
 `config.flash_attention_version`, with `num_splits=1` whenever the BI switch is on (the library's
-default schedule otherwise), and the softmax scale the engine uses (`head_dim ** -0.5`).
+default schedule otherwise), and the softmax scale the engine uses (`head_dim ** -0.5`). The
+doctor's ablation can leave either off (bi.PIECES: attention_split, flash_version).
 """
 
 import importlib
@@ -60,6 +61,8 @@ def flash_varlen_function(flash_attention_version: int) -> Callable:
         ) from exc
 
 
+_OTHER_VERSION = {3: 4, 4: 3}
+
 FA3_HEAD_DIMS = (64, 96, 128, 192, 256)  # FA3 runs a head dim with the kernel of the next one up
 
 
@@ -99,8 +102,10 @@ class FlashCoreAttention(MegatronModule):
                              "head_dim ** -0.5")
         if (attention_dropout or config.attention_dropout) > 0:
             raise ValueError("--attention-dropout must be 0 with FlashCoreAttention")
-        self.varlen = flash_varlen_function(config.flash_attention_version)
         self.version = config.flash_attention_version
+        if bi.left_off("flash_version"):  # the ablation: the generation the engine does not run
+            self.version = _OTHER_VERSION.get(self.version, self.version)
+        self.varlen = flash_varlen_function(self.version)
 
     def forward(
         self,
@@ -140,8 +145,9 @@ class FlashCoreAttention(MegatronModule):
             softmax_scale=q.shape[-1] ** -0.5,
             causal=True,
         )
-        if bi.enabled():
+        if bi.enabled("attention_split"):
             common["num_splits"] = 1  # no split-KV: one reduction order per row, as in the engine
+        if bi.enabled():
             common["deterministic"] = True  # backward without atomics: runs repeat bit for bit
         result = self.varlen(q, k, v, **common)
         # FA4 returns (out, lse); FA3 returns out, or (out, lse) in some builds.

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl_bi.bi.rmsnorm import BatchInvariantRMSNorm
-from megatron_rl_bi.bi.switch import enabled
+from megatron_rl_bi.bi.switch import enabled, left_off
 
 LOG_SOFTMAX_CHUNK_ROWS = 2048
 
@@ -23,7 +23,7 @@ LOG_SOFTMAX_CHUNK_ROWS = 2048
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool = False
 ) -> torch.Tensor:
-    if enabled():
+    if enabled("rmsnorm"):
         return BatchInvariantRMSNorm.apply(x, weight, eps, zero_centered_gamma)
     if zero_centered_gamma:  # in fp32, as transformers' Qwen3.5 norm: 1 + weight is not rounded
         return F.rms_norm(x.float(), (x.shape[-1],), weight.float() + 1, eps).to(x.dtype)
@@ -34,9 +34,10 @@ def sampling_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Ten
     """fp32 logits of the distribution the engine samples from at `temperature`, computed as
     megatron-core's torch sampling backend computes them for its processed logprobs (an fp32
     copy divided in place by the temperature, which the engine keeps as fp32 request metadata
-    and hands over as a Python float), so the bits agree."""
+    and hands over as a Python float), so the bits agree. With the fp32_logits piece left off (the
+    doctor's ablation) they stay in the params dtype."""
     temperature = torch.tensor(temperature, dtype=torch.float32).item()
-    scaled = logits.float()
+    scaled = logits if left_off("fp32_logits") else logits.float()
     if temperature != 1.0:
         scaled = (scaled.clone() if scaled is logits else scaled).div_(temperature)
     return scaled

@@ -19,14 +19,19 @@ kernels (fla's chunked GDN kernels) choose their configuration without timing (`
 
 Modules of this package ask `enabled()` at forward time; nobody threads a flag through call chains.
 
+For the parity doctor's ablation (tools/parity_doctor.py --ablate) the switch can be entered with
+pieces left off (`enable(without=...)`, names in PIECES); a module that owns a piece asks
+`enabled(piece)`. A run's switch has every piece on.
+
 Departure from upstream: enabling is atomic. megatron-core's own `enable_batch_invariant_mode()`
 can fail half way (see compat.transformer_engine_optional); here a failure rolls everything back
 and raises one `BatchInvariantModeError`.
 """
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
+import torch
 from megatron.core.transformer.custom_layers import batch_invariant_kernels as _mcore_bik
 
 from megatron_rl_bi import compat
@@ -42,25 +47,84 @@ _OURS = {"matmul_persistent": gemm.matmul,
          "_te_apply_normalization_patched": rmsnorm.te_apply_normalization}
 _UPSTREAM = {name: getattr(_mcore_bik, name) for name in _OURS}
 
+# What each piece makes batch-invariant; with one left off, its stock counterpart runs.
+PIECES = {
+    "gemm": "aten mm/addmm on the BI GEMM (stock: cuBLAS)",
+    "log_softmax": "aten _log_softmax on the BI log-softmax (stock: torch's kernel)",
+    "mean": "aten mean.dim on the BI mean (stock: torch's kernel)",
+    "rmsnorm": "the local spec's RMSNorm on bi.rmsnorm (stock: torch's rms_norm)",
+    "attention_split": "FlashAttention with one KV split in engine and trainer (stock: its heuristic)",
+    "gdn_recurrent": "GDN's recurrent forward at every call shape (stock: fla's chunked kernel for prefill)",
+    "flash_version": "the trainer's FlashAttention generation pinned to the engine's (off: the other one)",
+    "fp32_logits": "the trainer's log-softmax of fp32 logits, as the engine's (off: of the params dtype's)",
+}
+# megatron-core registers its four aten overrides in one library; a piece's ops leave it when off
+_ATEN_OPS = {"gemm": ("aten::mm", "aten::addmm"), "log_softmax": ("aten::_log_softmax",),
+             "mean": ("aten::mean.dim",)}
+_pieces_off: frozenset[str] = frozenset()
+
 
 class BatchInvariantModeError(RuntimeError):
     """Batch-invariant mode could not be entered; nothing was left enabled."""
 
 
-def enabled() -> bool:
-    return _mcore_bik.is_batch_invariant_mode_enabled()
+def _checked(pieces: Iterable[str]) -> frozenset[str]:
+    pieces = frozenset(pieces)
+    if unknown := sorted(pieces - PIECES.keys()):
+        raise ValueError(f"unknown batch-invariant pieces {unknown}: expected some of {sorted(PIECES)}")
+    return pieces
 
 
-def enable() -> None:
+def enabled(piece: str | None = None) -> bool:
+    """The switch is on (and, given a piece of PIECES, that piece is not left off)."""
+    on = _mcore_bik.is_batch_invariant_mode_enabled()
+    if piece is None:
+        return on
+    _checked([piece])
+    return on and piece not in _pieces_off
+
+
+def left_off(piece: str) -> bool:
+    """The switch is on with `piece` off: for pieces whose stock counterpart is not the default
+    mode's (flash_version, fp32_logits), which keeps them."""
+    return enabled() and not enabled(piece)
+
+
+def _leave_aten_ops_off(pieces: frozenset[str]) -> None:
+    """megatron-core's aten library again, without the ops of `pieces` (their stock kernels run)."""
+    off = {op for piece in pieces & _ATEN_OPS.keys() for op in _ATEN_OPS[piece]}
+    if not off:
+        return
+    kernels = {"aten::mm": _mcore_bik.mm_batch_invariant, "aten::addmm": _mcore_bik.addmm_batch_invariant,
+               "aten::_log_softmax": _mcore_bik._log_softmax_batch_invariant,
+               "aten::mean.dim": _mcore_bik.mean_batch_invariant}
+    dispatch_key = getattr(torch.accelerator.current_accelerator(), "type", "cpu").upper()  # as megatron-core
+    _mcore_bik._batch_invariant_LIB._destroy()
+    library = torch.library.Library("aten", "IMPL")
+    for op, kernel in kernels.items():
+        if op not in off:
+            library.impl(op, kernel, dispatch_key)
+    _mcore_bik._batch_invariant_LIB = library  # megatron-core's disable destroys it
+
+
+def enable(without: Iterable[str] = ()) -> None:
+    """On, with every piece but those `without` (names of PIECES: the doctor's ablation)."""
+    global _pieces_off
+    without = _checked(without)
     if enabled():
+        if without != _pieces_off:
+            raise ValueError(f"the switch is on with {sorted(_pieces_off)} off: disable it before "
+                             f"enabling with {sorted(without)} off")
         return
     try:
         for name, kernel in _OURS.items():
             setattr(_mcore_bik, name, kernel)
         with compat.transformer_engine_optional():
             _mcore_bik.enable_batch_invariant_mode()
+        _leave_aten_ops_off(without)
         embedding.install()
         autotune.install()
+        _pieces_off = without
     except Exception as exc:
         disable()
         raise BatchInvariantModeError(
@@ -70,6 +134,8 @@ def enable() -> None:
 
 
 def disable() -> None:
+    global _pieces_off
+    _pieces_off = frozenset()
     autotune.uninstall()
     embedding.uninstall()
     _mcore_bik.disable_batch_invariant_mode()
@@ -77,12 +143,20 @@ def disable() -> None:
         setattr(_mcore_bik, name, kernel)
 
 
+def _set(on: bool, without: frozenset[str]) -> None:
+    if enabled() and (not on or without != _pieces_off):
+        disable()
+    if on:
+        enable(without)
+
+
 @contextlib.contextmanager
-def batch_invariant(on: bool = True) -> Iterator[None]:
-    """Runs the block with the switch set to `on`, then restores the previous state."""
-    was_on = enabled()
-    enable() if on else disable()
+def batch_invariant(on: bool = True, without: Iterable[str] = ()) -> Iterator[None]:
+    """Runs the block with the switch set to `on` (with the pieces `without` off), then restores
+    the previous state."""
+    was = enabled(), _pieces_off
+    _set(on, _checked(without))
     try:
         yield
     finally:
-        enable() if was_on else disable()
+        _set(*was)

@@ -3,14 +3,18 @@ them (the entry points pass the results on)."""
 
 import argparse
 
+import torch
 from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 
+from megatron_rl_bi.checkpoints.hf import HFModel, load_hf_weights
+from megatron_rl_bi.checkpoints.megatron import load_pretrained_weights
 from megatron_rl_bi.envs.environment import build_environment
 from megatron_rl_bi.envs.retrieval import RemoteRetriever
 from megatron_rl_bi.envs.sandbox import SandboxConfig, base_interpreter
 from megatron_rl_bi.inference import EngineConfig, Sampling
 from megatron_rl_bi.memory import EngineShape, GIB, Levers, ModelShape, Recompute, RunShape
+from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.models.gpt_spec import moe_layers
 from megatron_rl_bi.reporting.profiling import ProfileConfig
 from megatron_rl_bi.rl.loop import LoopConfig
@@ -205,3 +209,21 @@ def memory_run_from_args(args: argparse.Namespace, vocab_size: int, data_paralle
                     micro_batch_tokens=args.rl_micro_batch_tokens, data_parallel=data_parallel,
                     gpu_bytes=gpu_bytes, requests=args.grpo_prompts_per_step * args.grpo_group_size, role=role,
                     fused_adam=not USING_PYTORCH_OPTIMIZER)
+
+
+def model_vocab_size(args: argparse.Namespace, tokenizer) -> int:
+    vocab_size = args.vocab_size or tokenizer.vocab_size
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"--rl-tokenizer {args.rl_tokenizer} has {tokenizer.vocab_size} tokens, "
+                         f"more than the model's vocabulary ({vocab_size})")
+    return vocab_size
+
+
+def build_policy(args: argparse.Namespace, vocab_size: int, hf_model: HFModel | None) -> torch.nn.Module:
+    """The model, with the starting weights of --hf-checkpoint or --pretrained-checkpoint."""
+    model = build_model(args, vocab_size)
+    if hf_model is not None:
+        load_hf_weights(model, hf_model)
+    if args.pretrained_checkpoint:
+        load_pretrained_weights(args.pretrained_checkpoint, model)
+    return model

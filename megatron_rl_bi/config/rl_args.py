@@ -331,11 +331,11 @@ MOST_NAMED_MEGATRON_FLAGS = ("--batch-invariant-mode", "--flash-attention-versio
                              "--seed", "--save", "--save-interval", "--load")
 
 
-def short_help(parser: argparse.ArgumentParser) -> str:
+def short_help(parser: argparse.ArgumentParser, program: str = "pretrain_rl.py") -> str:
     """--help: this package's flag groups (megatron_rl_bi...), then a line on Megatron's own,
     which --help-all lists (thousands of lines: model, parallelism, optimizer, checkpoints)."""
     formatter = parser._get_formatter()
-    formatter.add_usage("pretrain_rl.py [--recipe YAML] [FLAG ...]", [], [])
+    formatter.add_usage(f"{program} [--recipe YAML] [FLAG ...]", [], [])
     ours = [g for g in parser._action_groups if (g.title or "").startswith("megatron_rl_bi")]
     for group in ours:
         formatter.start_section(group.title)
@@ -347,21 +347,29 @@ def short_help(parser: argparse.ArgumentParser) -> str:
     others = len(parser._actions) - sum(len(g._group_actions) for g in ours) - len(MOST_NAMED_MEGATRON_FLAGS)
     formatter.add_text(f"and {others} flags of Megatron's own (--num-layers, --hidden-size, --micro-batch-size, "
                        "...): "
-                       "python pretrain_rl.py --help-all")
+                       f"python {program} --help-all")
     return formatter.format_help()
 
 
-def parse_rl_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_rl_args(argv: list[str] | None = None, extra_args_provider=None,
+                  program: str = "pretrain_rl.py") -> argparse.Namespace:
+    """pretrain_rl.py's flags (and a tool's own, from `extra_args_provider`; `program` names the
+    tool in --help), recipe and --hf-checkpoint applied, then every check."""
     argv = sys.argv[1:] if argv is None else argv
+
+    def flags(parser):
+        add_hf_args(add_rl_args(parser))
+        return extra_args_provider(parser) if extra_args_provider else parser
+
     if {"-h", "--help"} & set(argv) and "--help-all" not in argv:
-        print(short_help(build_parser(lambda parser: add_hf_args(add_rl_args(parser)))))
+        print(short_help(build_parser(flags), program))
         raise SystemExit(0)
     argv = ["--help" if arg == "--help-all" else arg for arg in argv]
     recipe_path = _scan(argv, "--recipe")
     model_flags, flag_names = {}, {}
 
     def provider(parser):
-        add_hf_args(add_rl_args(parser))
+        flags(parser)
         flag_names.update({a.dest: a.option_strings[0] for a in parser._actions if a.option_strings})
         parser.set_defaults(**RL_DEFAULTS)
         recipe = load_recipe(recipe_path, parser) if recipe_path else {}

@@ -11,6 +11,7 @@ import argparse
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.hybrid.hybrid_model import HybridModel
+from megatron.core.transformer.attention import Attention
 from megatron.core.transformer.module import Float16Module
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 
@@ -64,6 +65,9 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
             **common,
         )
     model.to(torch.cuda.current_device())
+    for module in model.modules():  # megatron-core's engine attention picks its KV splits by this
+        if isinstance(module, Attention):
+            module.batch_invariant_mode = bi.enabled("attention_split")
     if args.moe_enable_routing_replay:
         start_recording_routing()
     if args.bf16 or args.fp16:

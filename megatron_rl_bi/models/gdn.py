@@ -136,7 +136,7 @@ class SwitchedGatedDeltaNet(GatedDeltaNet):
     def _recurrent(decode_only: bool) -> bool:
         """The rule's forward kernel: recurrent in BI mode (one kernel for every call shape) and
         for decode-only engine steps; chunked otherwise."""
-        return bi.enabled() or decode_only
+        return bi.enabled("gdn_recurrent") or decode_only
 
     def _varlen_core(self, tokens, cu_seqlens, conv_initial, rule_initial, recurrent: bool,
                      chunk_indices=None):

@@ -56,7 +56,7 @@ def trainer_vs_engine(
     return {**{name: torch.cat(tensors) for name, tensors in parts.items()}, **routing.tensors()}
 
 
-def _metrics(compared: dict[str, torch.Tensor]) -> dict:
+def compared_metrics(compared: dict[str, torch.Tensor]) -> dict:
     """bit_wise/* over every reported token (and routing/* when compared), and over the
     completions' alone."""
     train, engine, reported = compared["train"], compared["engine"], compared["reported"]
@@ -93,8 +93,8 @@ def run_parity(
             {
                 "order_head": order[:8],
                 "completion_tokens": sum(len(g.completion_tokens) for g in generations),
-                **_metrics(compared),
+                **compared_metrics(compared),
             }
         )
     total = {name: torch.cat([c[name] for c in pooled]) for name in pooled[0]}
-    return {"runs": runs, **_metrics(total)}
+    return {"runs": runs, **compared_metrics(total)}

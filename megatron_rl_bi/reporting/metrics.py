@@ -9,6 +9,7 @@ except the console. TensorBoard and W&B are imported only when asked for.
 import json
 import math
 import os
+import shlex
 
 from megatron_rl_bi.jsonfile import read_jsonl
 from megatron_rl_bi.reporting.samples import SampleWriter
@@ -24,11 +25,15 @@ class MetricsLogger:
         run_config: dict | None = None,
         run_info: dict | None = None,
         samples: SampleWriter | None = None,
+        doctor_argv: list[str] | None = None,
     ):
         """run_info (device, commit, versions) and run_config (the flags) open the JSONL as a
         `{"run": ...}` record, once per start of the process (a resumed run appends one);
-        `samples` writes a few of each step's rollouts (--rl-samples-jsonl)."""
+        `samples` writes a few of each step's rollouts (--rl-samples-jsonl). `doctor_argv`, the
+        flags of a batch-invariant run: the first step whose logprobs differ says so and names the
+        parity doctor's command for them."""
         self.total_steps, self.samples = total_steps, samples
+        self.doctor_command = doctor_command(doctor_argv) if doctor_argv is not None else None
         self._jsonl = None
         if jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
@@ -53,6 +58,11 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict, rollouts: list = ()) -> None:
         record = {"step": step, **metrics}
         print(self.progress_line(step, metrics), flush=True)
+        if self.doctor_command and metrics.get("bit_wise/logprob_diff/max", math.nan) > 0:
+            print(f"parity: bit_wise/logprob_diff/max {metrics['bit_wise/logprob_diff/max']:.3g} at step {step} in "
+                  "batch-invariant mode, where it is 0 unless something differs between engine and trainer. "
+                  f"Where they part, component by component:\n  {self.doctor_command}", flush=True)
+            self.doctor_command = None  # once a run
         if self._jsonl:
             self._jsonl.write(json.dumps(record) + "\n")
         if self.samples:
@@ -85,6 +95,11 @@ class MetricsLogger:
             self._tensorboard.close()
         if self._wandb:
             self._wandb.finish()
+
+
+def doctor_command(argv: list[str]) -> str:
+    """The parity doctor's command line for a run's flags (it takes pretrain_rl.py's), BI mode."""
+    return shlex.join(["python", "tools/parity_doctor.py", *argv, "--parity-modes", "bi"])
 
 
 def read_segments(path: str) -> list[list[dict]]:

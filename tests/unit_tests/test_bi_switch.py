@@ -125,3 +125,110 @@ def test_full_mean_of_integers_needs_a_float_dtype():
     with pytest.raises(TypeError, match="floating-point dtype"):
         mean.mean(ints, [])
     assert torch.equal(mean.mean(ints, [], dtype=torch.float32), torch.tensor(7.0) / 3)
+
+
+# --- pieces left off (the parity doctor's ablation) ---
+
+def test_a_piece_left_off_is_off_and_every_other_on(mm_calls):
+    with bi.batch_invariant(True, without=["rmsnorm"]):
+        assert bi.enabled() and not bi.enabled("rmsnorm") and bi.enabled("gemm") and bi.left_off("rmsnorm")
+        with bi.batch_invariant(True):  # nested: all on, then the piece off again
+            assert bi.enabled("rmsnorm")
+        assert not bi.enabled("rmsnorm")
+        with pytest.raises(ValueError, match="disable it before enabling with"):
+            bi.enable()
+    assert not bi.enabled() and not bi.enabled("rmsnorm") and not bi.left_off("rmsnorm")
+    with bi.batch_invariant(True):
+        assert bi.enabled("rmsnorm")
+    with pytest.raises(ValueError, match=r"unknown batch-invariant pieces \['gemmm'\]"):
+        bi.enable(without=["gemmm"])
+    assert not bi.enabled()
+
+
+def _log_softmax_calls(monkeypatch):
+    calls = []
+
+    def recording(input, dim, half_to_float):
+        calls.append(input.shape)
+        return torch.zeros_like(input)
+
+    monkeypatch.setattr(mcore_bik, "_log_softmax_batch_invariant", recording)
+    return calls
+
+
+def test_gemm_left_off_runs_the_stock_mm_and_keeps_the_other_overrides(mm_calls, monkeypatch):
+    softmax_calls = _log_softmax_calls(monkeypatch)
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    with bi.batch_invariant(True, without=["gemm"]):
+        assert torch.allclose(torch.mm(a, b), a @ b.clone())
+        torch.log_softmax(a, dim=-1)
+    assert mm_calls == [] and softmax_calls == [torch.Size([3, 4])]
+    with bi.batch_invariant(True, without=["log_softmax"]):
+        torch.mm(a, b)
+        assert torch.allclose(torch.log_softmax(a, dim=-1), a - a.logsumexp(-1, keepdim=True))
+    assert mm_calls == [torch.Size([3, 4])] and len(softmax_calls) == 1
+    with bi.batch_invariant(True):  # all on again: both routed
+        torch.mm(a, b)
+        torch.log_softmax(a, dim=-1)
+    assert len(mm_calls) == 2 and len(softmax_calls) == 2
+
+
+def test_rmsnorm_left_off_runs_torchs_norm(cpu_dispatch, monkeypatch):
+    from megatron_rl_bi.bi import ops
+
+    calls = []
+    monkeypatch.setattr(ops.BatchInvariantRMSNorm, "apply", lambda *args: calls.append(args) or args[0])
+    x, weight = torch.randn(2, 8), torch.rand(8) + 0.5
+    expected = torch.nn.functional.rms_norm(x, (8,), weight, 1e-6)
+    with bi.batch_invariant(True, without=["rmsnorm", "mean"]):  # torch's CPU norm takes a mean
+        assert torch.equal(bi.rms_norm(x, weight, 1e-6), expected)
+    assert calls == []
+    with bi.batch_invariant(True):
+        bi.rms_norm(x, weight, 1e-6)
+    assert len(calls) == 1
+
+
+def test_fp32_logits_left_off_keeps_the_params_dtype(cpu_dispatch):
+    logits = torch.randn(2, 6).bfloat16()
+    assert bi.sampling_logits(logits, 0.5).dtype == torch.float32  # default mode keeps fp32 too
+    with bi.batch_invariant(True, without=["fp32_logits"]):
+        scaled = bi.sampling_logits(logits, 0.5)
+        assert scaled.dtype == torch.bfloat16 and torch.equal(scaled, logits / 0.5)
+        assert not torch.equal(logits, scaled)  # divided on a copy
+    with bi.batch_invariant(True):
+        assert bi.sampling_logits(logits, 0.5).dtype == torch.float32
+
+
+def test_gdn_recurrent_left_off_takes_the_chunked_kernel_for_prefill(cpu_dispatch):
+    from megatron_rl_bi.models.gdn import SwitchedGatedDeltaNet
+
+    with bi.batch_invariant(True):
+        assert SwitchedGatedDeltaNet._recurrent(decode_only=False)
+    with bi.batch_invariant(True, without=["gdn_recurrent"]):
+        assert not SwitchedGatedDeltaNet._recurrent(decode_only=False)
+        assert SwitchedGatedDeltaNet._recurrent(decode_only=True)  # a decode-only step stays recurrent
+
+
+def test_the_trainers_flash_attention_pieces(cpu_dispatch, monkeypatch):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_rl_bi.attention import flash
+
+    calls = []
+    monkeypatch.setattr(flash, "flash_varlen_function",
+                        lambda version: lambda q, k, v, **kwargs: calls.append((version, kwargs)) or q)
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, flash_attention_version=4,
+                               attention_dropout=0.0)
+    q = torch.randn(3, 4, 16)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+
+    def attend(**pieces):
+        with bi.batch_invariant(**pieces):
+            flash.FlashCoreAttention(config, 1, None, "self")._varlen(q, q, q, cu, cu, 3, 3)
+        version, kwargs = calls.pop()
+        return version, kwargs.get("num_splits"), kwargs.get("deterministic")
+
+    assert attend(on=True) == (4, 1, True)
+    assert attend(on=True, without=["attention_split"]) == (4, None, True)
+    assert attend(on=True, without=["flash_version"]) == (3, 1, True)
+    assert attend(on=False) == (4, None, None)

@@ -1,16 +1,12 @@
-"""tools/check_parity.py's request-size flags are checked before any GPU work: reversed ranges,
+"""The parity tools' request-size flags (config/parity_args.py) are checked before any GPU work: reversed ranges,
 zero counts, a non-positive temperature and an output in a missing directory are named."""
 
 import argparse
-import importlib.util
-import pathlib
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("check_parity", REPO / "tools" / "check_parity.py")
-check_parity = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(check_parity)
+from megatron_rl_bi.config.parity_args import check_parity_requests
+
 
 
 def _args(**overrides):
@@ -22,12 +18,12 @@ def _args(**overrides):
 
 
 def test_good_sizes_pass():
-    check_parity.check_request_sizes(_args())
+    check_parity_requests(_args())
 
 
 def test_bad_sizes_are_each_named():
     with pytest.raises(ValueError) as info:
-        check_parity.check_request_sizes(_args(parity_prompt_lengths=[900, 1], parity_max_new_tokens=[0, 4],
+        check_parity_requests(_args(parity_prompt_lengths=[900, 1], parity_max_new_tokens=[0, 4],
                                                parity_requests=0, parity_orders=0, parity_temperature=0.0,
                                                parity_vocab_size=0, parity_micro_batch_tokens=0,
                                                parity_output="/nowhere/parity.json"))
@@ -42,4 +38,4 @@ def test_bad_sizes_are_each_named():
 
 def test_requests_longer_than_the_model_are_refused():
     with pytest.raises(ValueError, match="allow 1256 tokens but --max-position-embeddings is 1024"):
-        check_parity.check_request_sizes(_args(parity_prompt_lengths=[1, 1000]))
+        check_parity_requests(_args(parity_prompt_lengths=[1, 1000]))

@@ -57,7 +57,8 @@ def _known_flags() -> set[str]:
                _module("tools/results_docs.py").build_parser(), _module("tools/memory_plan.py").build_parser(),
                _module("tools/random_hf_checkpoint.py").build_parser(),
                _module("tools/retrieval_server.py").build_parser(), _module("bench/memory.py").build_parser(),
-               _module("bench/optimizer_offload.py").build_parser(), _module("tools/terminal_tasks.py").build_parser()]
+               _module("bench/optimizer_offload.py").build_parser(), _module("tools/terminal_tasks.py").build_parser(),
+               build_parser(_module("tools/parity_doctor.py").add_doctor_args)]
     return {flag for parser in parsers for action in parser._actions for flag in action.option_strings}
 
 

@@ -86,3 +86,20 @@ def test_a_file_without_step_records_is_an_error(tmp_path):
     path.write_text('{"run": {"git_commit": "abc"}}\n')
     with pytest.raises(ValueError, match=r"m.jsonl: no step records"):
         read_step_records(str(path))
+
+
+def test_a_bi_run_whose_logprobs_differ_names_the_doctors_command_once(capsys):
+    import math
+
+    logger = MetricsLogger(total_steps=4, doctor_argv=["--recipe", "examples/recipes/tiny_sort.yaml",
+                                                       "--rl-metrics-jsonl", "runs/a b.jsonl"])
+    for step, largest in ((1, 0.0), (2, math.nan), (3, 0.25), (4, 0.5)):
+        logger.log(step, {"bit_wise/logprob_diff/max": largest})
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("step ")]
+    assert lines == ["parity: bit_wise/logprob_diff/max 0.25 at step 3 in batch-invariant mode, where it is 0 "
+                     "unless something differs between engine and trainer. Where they part, component by component:",
+                     "  python tools/parity_doctor.py --recipe examples/recipes/tiny_sort.yaml --rl-metrics-jsonl "
+                     "'runs/a b.jsonl' --parity-modes bi"]
+    default_mode = MetricsLogger(total_steps=1)  # a default-mode run differs by design: no hint
+    default_mode.log(1, {"bit_wise/logprob_diff/max": 0.5})
+    assert "parity_doctor" not in capsys.readouterr().out
