@@ -207,3 +207,18 @@ def test_the_ablation_table_by_hand():
          "tokens_different": 2, "max_abs_diff": 3.0, "first_differing": "logprobs without the reported mask"}]
     table = format_ablation(rows)
     assert "gdn_recurrent      not run: no GDN layers" in table and "layers.0.self_attention" in table
+
+
+def test_the_engines_attention_splits_follow_the_attention_split_piece(cpu_forward, cpu_dispatch):
+    """megatron-core's Attention picks the engine's FlashAttention KV splits by its own
+    `batch_invariant_mode`: build_model sets it from the piece."""
+    from megatron.core.transformer.attention import Attention
+
+    def modes(without):
+        with bi.batch_invariant(True, without):
+            model_parallel_cuda_manual_seed(0)
+            built = build_model(parse_rl_args(FLAGS + MODELS["dense"]), VOCAB)
+        return {module.batch_invariant_mode for module in built.modules() if isinstance(module, Attention)}
+
+    assert modes(()) == {True}
+    assert modes(["attention_split"]) == {False}
