@@ -69,11 +69,7 @@ def doctor_problems(args: argparse.Namespace) -> list[str]:
                 "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
                 "--context-parallel-size": args.context_parallel_size,
                 "--expert-model-parallel-size": args.expert_model_parallel_size}
-    errors = [f"{flag} {size}: the doctor runs one GPU" for flag, size in parallel.items() if size != 1]
-    if args.ablate and args.transformer_impl != "local":
-        errors.append(f"--ablate with --transformer-impl {args.transformer_impl}: the pieces are those of the "
-                      "local spec (TE's patched GEMM and norms stay batch-invariant)")
-    return errors
+    return [f"{flag} {size}: the doctor runs one GPU" for flag, size in parallel.items() if size != 1]
 
 
 def run_engine_eagerly(args: argparse.Namespace) -> None:
@@ -87,6 +83,8 @@ def run_engine_eagerly(args: argparse.Namespace) -> None:
 
 def piece_problem(args: argparse.Namespace, piece: str) -> str | None:
     """Why a piece's ablation cannot run for this model, else None."""
+    if piece == "te_norm" and args.transformer_impl != "transformer_engine":
+        return f"--transformer-impl {args.transformer_impl}: no TE norms"
     if piece == "gdn_recurrent" and "G" not in (args.hybrid_layer_pattern or ""):
         return "no GDN layers"
     if piece in ("attention_split", "flash_version") and args.hybrid_layer_pattern and "*" not in args.hybrid_layer_pattern:

@@ -29,6 +29,7 @@ and raises one `BatchInvariantModeError`.
 """
 
 import contextlib
+import sys
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -49,10 +50,11 @@ _UPSTREAM = {name: getattr(_mcore_bik, name) for name in _OURS}
 
 # What each piece makes batch-invariant; with one left off, its stock counterpart runs.
 PIECES = {
-    "gemm": "aten mm/addmm on the BI GEMM (stock: cuBLAS)",
+    "gemm": "aten mm/addmm, and TE's general_gemm where TE is installed, on the BI GEMM (stock: cuBLAS)",
     "log_softmax": "aten _log_softmax on the BI log-softmax (stock: torch's kernel)",
     "mean": "aten mean.dim on the BI mean (stock: torch's kernel)",
     "rmsnorm": "the local spec's RMSNorm on bi.rmsnorm (stock: torch's rms_norm)",
+    "te_norm": "TE's RMSNorm and fused norm+linear normalization on bi.rmsnorm (stock: TE's kernels)",
     "attention_split": "FlashAttention with one KV split in engine and trainer (stock: its heuristic)",
     "gdn_recurrent": "GDN's recurrent forward at every call shape (stock: fla's chunked kernel for prefill)",
     "flash_version": "the trainer's FlashAttention generation pinned to the engine's (off: the other one)",
@@ -62,6 +64,7 @@ PIECES = {
 _ATEN_OPS = {"gemm": ("aten::mm", "aten::addmm"), "log_softmax": ("aten::_log_softmax",),
              "mean": ("aten::mean.dim",)}
 _pieces_off: frozenset[str] = frozenset()
+_TE = "transformer_engine.pytorch"
 
 
 class BatchInvariantModeError(RuntimeError):
@@ -107,6 +110,33 @@ def _leave_aten_ops_off(pieces: frozenset[str]) -> None:
     _mcore_bik._batch_invariant_LIB = library  # megatron-core's disable destroys it
 
 
+def _te_originals(pieces: frozenset[str]) -> list[tuple[object, str, object]]:
+    """(owner, attribute, TE's own function) of each TE entry point megatron-core patched for a
+    piece of `pieces`, from the originals it keeps to restore them."""
+    module, entries = sys.modules.get, []
+    if "gemm" in pieces:
+        entries += [(module(f"{_TE}.cpp_extensions"), "general_gemm", _mcore_bik._TE_GENERAL_GEMM_ORIG),
+                    (module("megatron.core.extensions.transformer_engine"), "general_gemm",
+                     _mcore_bik._MEG_TE_GENERAL_GEMM_ORIG)]
+        entries += [(module(f"{_TE}.{key.removesuffix('.general_gemm')}"), "general_gemm", original)
+                    for key, original in _mcore_bik._TE_GEMM_FUNC_ORIGS.items()]
+    if "te_norm" in pieces:
+        entries += [(module(f"{_TE}.module.layernorm"), name, original)
+                    for name, original in _mcore_bik._TE_RMSNORM_FUNC_ORIGS.items()]
+        entries += [(module(f"{_TE}.{key.removesuffix('.apply_normalization')}"), "apply_normalization", original)
+                    for key, original in _mcore_bik._TE_APPLY_NORM_ORIGS.items()]
+        entries.append((getattr(module(_TE), "RMSNorm", None), "forward", _mcore_bik._TE_RMSNORM_ORIG_FWD))
+    return [(owner, attribute, original) for owner, attribute, original in entries
+            if owner is not None and original is not None]
+
+
+def _leave_te_patches_off(pieces: frozenset[str]) -> None:
+    """TE's own functions back where megatron-core patched them for `pieces` (its disable
+    restores the same ones)."""
+    for owner, attribute, original in _te_originals(pieces):
+        setattr(owner, attribute, original)
+
+
 def enable(without: Iterable[str] = ()) -> None:
     """On, with every piece but those `without` (names of PIECES: the doctor's ablation)."""
     global _pieces_off
@@ -122,6 +152,7 @@ def enable(without: Iterable[str] = ()) -> None:
         with compat.transformer_engine_optional():
             _mcore_bik.enable_batch_invariant_mode()
         _leave_aten_ops_off(without)
+        _leave_te_patches_off(without)
         embedding.install()
         autotune.install()
         _pieces_off = without

@@ -232,3 +232,58 @@ def test_the_trainers_flash_attention_pieces(cpu_dispatch, monkeypatch):
     assert attend(on=True, without=["attention_split"]) == (4, None, True)
     assert attend(on=True, without=["flash_version"]) == (3, 1, True)
     assert attend(on=False) == (4, None, None)
+
+
+# Every TE entry point megatron-core 0.19.2 patches (module, attribute), by the piece that owns it
+TE_ENTRY_POINTS = {
+    "gemm": [("transformer_engine.pytorch.cpp_extensions", "general_gemm"),
+             ("transformer_engine.pytorch.module.linear", "general_gemm"),
+             ("transformer_engine.pytorch.module.layernorm_linear", "general_gemm"),
+             ("megatron.core.extensions.transformer_engine", "general_gemm")],
+    "te_norm": [("transformer_engine.pytorch.RMSNorm", "forward"),
+                ("transformer_engine.pytorch.module.layernorm", "rmsnorm"),
+                ("transformer_engine.pytorch.module._common", "apply_normalization"),
+                ("transformer_engine.pytorch.module.layernorm_linear", "apply_normalization"),
+                ("transformer_engine.pytorch.module.layernorm_mlp", "apply_normalization")],
+}
+
+
+@pytest.fixture
+def fake_te(monkeypatch, mm_calls):
+    """TransformerEngine's modules as stand-ins, each entry point a function of its own, for
+    megatron-core's real TE patch to patch: {(name, attribute): (owner, TE's function)}."""
+    import importlib.machinery
+    import sys
+    import types
+
+    owners = {}
+    for name in ["transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.module",
+                 *{owner for entries in TE_ENTRY_POINTS.values() for owner, _ in entries if "RMSNorm" not in owner}]:
+        owners[name] = types.ModuleType(name)
+        owners[name].__spec__ = importlib.machinery.ModuleSpec(name, None)  # megatron-core asks find_spec
+        monkeypatch.setitem(sys.modules, name, owners[name])
+        parent, _, child = name.rpartition(".")
+        if parent:  # `import a.b as c` reads the attribute of the parent first
+            monkeypatch.setattr(owners.get(parent) or sys.modules[parent], child, owners[name], raising=False)
+    owners["transformer_engine.pytorch.RMSNorm"] = owners["transformer_engine.pytorch"].RMSNorm = type("RMSNorm", (), {})
+    entries = {}
+    for name, attribute in (entry for piece in TE_ENTRY_POINTS.values() for entry in piece):
+        entries[name, attribute] = owners[name], lambda *args, **kwargs: "TE's own"
+        setattr(owners[name], attribute, entries[name, attribute][1])
+    monkeypatch.setattr(compat, "transformer_engine_installed", lambda: True)
+    return entries
+
+
+def test_te_pieces_left_off_give_te_its_own_kernels_back(fake_te):
+    def te_own(piece):
+        """Which of the piece's entry points hold TE's own function."""
+        return [getattr(fake_te[name, attribute][0], attribute) is fake_te[name, attribute][1]
+                for name, attribute in TE_ENTRY_POINTS[piece]]
+
+    with bi.batch_invariant(True):
+        assert te_own("gemm") == [False] * 4 and te_own("te_norm") == [False] * 5  # megatron-core patched all
+    with bi.batch_invariant(True, without=["te_norm"]):
+        assert te_own("gemm") == [False] * 4 and te_own("te_norm") == [True] * 5
+    with bi.batch_invariant(True, without=["gemm"]):
+        assert te_own("gemm") == [True] * 4 and te_own("te_norm") == [False] * 5
+    assert te_own("gemm") == [True] * 4 and te_own("te_norm") == [True] * 5

@@ -30,11 +30,9 @@ def test_a_runs_flags_work_as_they_are():
 
 def test_what_the_doctor_cannot_diagnose_is_named(monkeypatch):
     args, _, _ = doctor.read_inputs(RUN + ["--ablate"])
-    args.tensor_model_parallel_size, args.transformer_impl = 2, "transformer_engine"
-    assert doctor.doctor_problems(args) == [
-        "--tensor-model-parallel-size 2: the doctor runs one GPU",
-        "--ablate with --transformer-impl transformer_engine: the pieces are those of the local spec (TE's "
-        "patched GEMM and norms stay batch-invariant)"]
+    args.tensor_model_parallel_size, args.expert_model_parallel_size = 2, 4
+    assert doctor.doctor_problems(args) == ["--tensor-model-parallel-size 2: the doctor runs one GPU",
+                                            "--expert-model-parallel-size 4: the doctor runs one GPU"]
 
 
 def test_the_engine_runs_eagerly_and_says_so(capsys):
@@ -45,10 +43,10 @@ def test_the_engine_runs_eagerly_and_says_so(capsys):
     assert capsys.readouterr().out.count("[doctor] running with") == 1  # legacy was already the mode
 
 
-@pytest.mark.parametrize("flags, skipped", [(RUN, {"gdn_recurrent"}), (HYBRID, set())])
+@pytest.mark.parametrize("flags, skipped", [(RUN, {"gdn_recurrent", "te_norm"}), (HYBRID, {"te_norm"})])
 def test_the_ablation_runs_each_piece_the_model_has(flags, skipped, monkeypatch):
     monkeypatch.setattr(doctor, "flash_varlen_function", lambda version: object())  # both installed
-    args, _, _ = doctor.read_inputs(flags + ["--ablate", "--parity-modes", "default"])
+    args, _, _ = doctor.read_inputs(flags + ["--ablate", "--parity-modes", "default", "--transformer-impl", "local"])
     runs = doctor.runs_of(args)
     assert runs[:2] == [("default", False, ()), ("bi", True, ())]
     assert {without for _, _, (without,) in runs[2:]} == set(doctor.bi.PIECES) - skipped
@@ -63,3 +61,10 @@ def test_a_missing_flash_attention_generation_is_not_run_with_its_reason(monkeyp
     args, _, _ = doctor.read_inputs(RUN)
     assert doctor.piece_problem(args, "flash_version") == "FlashAttention-3 is not installed (FlashAttention-3 is absent)"
     assert doctor.piece_problem(args, "gemm") is None
+
+
+def test_te_norms_are_ablated_only_where_the_model_has_them():
+    args, _, _ = doctor.read_inputs(RUN + ["--transformer-impl", "local"])
+    assert doctor.piece_problem(args, "te_norm") == "--transformer-impl local: no TE norms"
+    args.transformer_impl = "transformer_engine"
+    assert doctor.piece_problem(args, "te_norm") is None
