@@ -68,12 +68,15 @@ def _prefill(keys: list[RowKey], prompt_lengths: list[int]) -> torch.Tensor:
 def compare_components(engine: dict[str, Captured], trainer: dict[str, Captured], prompt_lengths: list[int]
                        ) -> list[ComponentDiff]:
     """Each component the engine ran, in forward order, at the rows both sides computed (the
-    trainer also runs each sequence's last token, which the engine never feeds)."""
+    trainer also runs each sequence's last token, which the engine never feeds); one the trainer
+    computed none of those rows of raises."""
     diffs = []
     for name, theirs in engine.items():
         ours = trainer.get(name)
         index = {key: row for row, key in enumerate(ours.keys)} if ours else {}
         pairs = [(row, index[key]) for row, key in enumerate(theirs.keys) if key in index]
+        if theirs.keys and not pairs:  # a row count of 0 would read as agreement
+            raise RuntimeError(f"{name}: the trainer computed none of the engine's {len(theirs.keys)} rows")
         engine_rows = torch.tensor([e for e, _ in pairs], dtype=torch.long)
         trainer_rows = torch.tensor([t for _, t in pairs], dtype=torch.long)
         width = theirs.rows.shape[1:]

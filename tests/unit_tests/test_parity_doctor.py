@@ -127,6 +127,16 @@ def test_check_tokens_refuses_keys_of_other_tokens(model):
         side.check_tokens(SEQUENCES, "engine")
 
 
+def test_a_component_the_trainer_did_not_compute_is_refused():
+    from megatron_rl_bi.parity.capture import Captured
+
+    engine = {"embedding": Captured("Embedding", [(0, 0), (0, 1)], torch.zeros(2, 4))}
+    other_rows = {"embedding": Captured("Embedding", [(1, 0)], torch.zeros(1, 4))}
+    for trainer in ({}, other_rows):
+        with pytest.raises(RuntimeError, match="embedding: the trainer computed none of the engine's 2 rows"):
+            compare_components(engine, trainer, [1, 1])
+
+
 def test_diff_rows_by_hand():
     engine = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, math.nan], [0.0, 1.0]])
     trainer = torch.tensor([[1.0, 2.0], [3.0, 4.5], [5.0, math.nan], [-0.0, 1.0]])
