@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_rl_bi import bi  # noqa: E402
-from megatron_rl_bi.attention.flash import flash_varlen_function  # noqa: E402
+from megatron_rl_bi.attention.flash import OTHER_FLASH_VERSION, flash_varlen_function  # noqa: E402
 from megatron_rl_bi.checkpoints.hf import read_hf_model  # noqa: E402
 from megatron_rl_bi.checkpoints.megatron import latest_checkpoint, load_pretrained_weights  # noqa: E402
 from megatron_rl_bi.config import installed_kernel_problem, parse_rl_args, raise_if_invalid  # noqa: E402
@@ -90,7 +90,7 @@ def piece_problem(args: argparse.Namespace, piece: str) -> str | None:
     if piece in ("attention_split", "flash_version") and args.hybrid_layer_pattern and "*" not in args.hybrid_layer_pattern:
         return "no attention layers"
     if piece == "flash_version":
-        other = {3: 4, 4: 3}[args.flash_attention_version]
+        other = OTHER_FLASH_VERSION[args.flash_attention_version]
         try:
             flash_varlen_function(other)
         except ImportError as exc:

@@ -61,7 +61,7 @@ def flash_varlen_function(flash_attention_version: int) -> Callable:
         ) from exc
 
 
-_OTHER_VERSION = {3: 4, 4: 3}
+OTHER_FLASH_VERSION = {3: 4, 4: 3}  # the doctor's flash_version ablation runs the other one
 
 FA3_HEAD_DIMS = (64, 96, 128, 192, 256)  # FA3 runs a head dim with the kernel of the next one up
 
@@ -104,7 +104,7 @@ class FlashCoreAttention(MegatronModule):
             raise ValueError("--attention-dropout must be 0 with FlashCoreAttention")
         self.version = config.flash_attention_version
         if bi.left_off("flash_version"):  # the ablation: the generation the engine does not run
-            self.version = _OTHER_VERSION.get(self.version, self.version)
+            self.version = OTHER_FLASH_VERSION.get(self.version, self.version)
         self.varlen = flash_varlen_function(self.version)
 
     def forward(

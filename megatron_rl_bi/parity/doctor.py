@@ -65,6 +65,13 @@ def _prefill(keys: list[RowKey], prompt_lengths: list[int]) -> torch.Tensor:
     return torch.tensor([position < prompt_lengths[sequence] for sequence, position in keys], dtype=torch.bool)
 
 
+def _packed_prefill(generations: list[Generation]) -> torch.Tensor:
+    """Which packed positions (every generation's, in order) hold prompt tokens."""
+    keys = [(index, position) for index, generation in enumerate(generations)
+            for position in range(len(generation.tokens))]
+    return _prefill(keys, [len(generation.prompt_tokens) for generation in generations])
+
+
 def compare_components(engine: dict[str, Captured], trainer: dict[str, Captured], prompt_lengths: list[int]
                        ) -> list[ComponentDiff]:
     """Each component the engine ran, in forward order, at the rows both sides computed (the
@@ -90,10 +97,8 @@ def compare_components(engine: dict[str, Captured], trainer: dict[str, Captured]
 def logprob_diff(compared: dict[str, torch.Tensor], generations: list[Generation]) -> ComponentDiff:
     """The logprobs at the positions the engine reported (harness.trainer_vs_engine's packed
     tensors: every generation's positions in order)."""
-    keys = [(index, position) for index, generation in enumerate(generations)
-            for position in range(len(generation.tokens))]
     reported = compared["reported"]
-    prefill = _prefill(keys, [len(g.prompt_tokens) for g in generations])[reported]
+    prefill = _packed_prefill(generations)[reported]
     return diff_rows(LOGPROBS, "log_softmax", compared["engine"][reported].unsqueeze(1),
                      compared["train"][reported].unsqueeze(1), prefill)
 
@@ -104,9 +109,7 @@ def unmasked_logprob_diff(compared: dict[str, torch.Tensor], generations: list[G
     its packed value there is 0)."""
     as_in_rl = pack_completions([dataclasses.replace(g, prompt_logprobs=None) for g in generations])
     has_target = as_in_rl.batch.has_target
-    keys = [(index, position) for index, generation in enumerate(generations)
-            for position in range(len(generation.tokens))]
-    prefill = _prefill(keys, [len(g.prompt_tokens) for g in generations])[has_target]
+    prefill = _packed_prefill(generations)[has_target]
     return diff_rows(UNMASKED, "log_softmax", as_in_rl.engine_logprobs[has_target].unsqueeze(1),
                      compared["train"][has_target].unsqueeze(1), prefill)
 
