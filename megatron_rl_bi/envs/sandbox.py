@@ -22,8 +22,10 @@ keeper instead: the keeper reads the command's output through pipes, and once th
 exits it kills every other process of the sandbox, then writes the regular files of `/work`
 back to the caller. The keeper makes itself non-dumpable first, so the command, though it runs
 as the same user, cannot open the keeper's `/proc` files or trace it, and cannot forge what it
-sends back. A command killed at the limit, or one that kills the keeper, sends nothing: the
-files stay as they were before it.
+sends back. The keeper kills the command at the wall-clock limit counted from the command's
+start (a busy host's sandbox start-up is not the command's time); the host kills bubblewrap
+KEEPER_START_SECONDS later, for a keeper the command stopped. A command killed at the limit,
+or one that kills or stops the keeper, sends nothing: the files stay as they were before it.
 
 Not isolated: the kernel itself (there is no seccomp filter; a kernel exploit is out of scope),
 the machine's memory beyond the per-process limit (at most `processes x memory_mb` a sandbox, no
@@ -54,6 +56,9 @@ NOBODY = 65534
 # The system's library directories, bound read-only (a symbolic link among them stays a link).
 LIBRARY_DIRECTORIES = ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32")
 COMMAND_DIRECTORIES = ("/bin", "/usr/bin")  # SandboxConfig.shell
+# run_keeping_files: the host's bound past the keeper's limit (a busy host's sandbox start-up took
+# up to 8.5 s; a command that stops its keeper costs this much wall time, and its turn)
+KEEPER_START_SECONDS = 30.0
 
 # Runs inside the sandbox (argv: cpu seconds, address space, file size, open files, processes,
 # then the command): sets the limits, then becomes the command.
@@ -67,17 +72,18 @@ for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, address_sp
 os.execv(sys.argv[6], sys.argv[6:])
 """
 
-# Runs inside the sandbox (argv: bytes of output read back, then the launcher's command line):
-# runs the launcher (the limits, then the command), kills every process it left, writes its
-# result and the working directory's regular files (base64, mode) to stdout, which the command
-# does not hold.
+# Runs inside the sandbox (argv: wall-clock seconds, bytes of output read back, then the
+# launcher's command line): runs the launcher (the limits, then the command), kills every process
+# it left, at the latest `seconds` after the command's start, and writes its result and the
+# working directory's regular files (base64, mode) to stdout, which the command does not hold; a
+# command killed at the limit, only {"returncode": null}.
 _KEEPER = r"""
 import base64, ctypes, json, os, signal, stat, subprocess, sys, threading, time
-output_bytes = int(sys.argv[1])
+seconds, output_bytes = float(sys.argv[1]), int(sys.argv[2])
 if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0
     sys.exit("the keeper could not make itself non-dumpable")
 started = time.monotonic()
-command = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+command = subprocess.Popen(sys.argv[3:], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 outputs = {}
 def read(name, stream):
     outputs[name] = stream.read(output_bytes)
@@ -86,14 +92,20 @@ def read(name, stream):
 readers = [threading.Thread(target=read, args=item) for item in (("stdout", command.stdout), ("stderr", command.stderr))]
 for reader in readers:
     reader.start()
-returncode = command.wait()
-seconds = time.monotonic() - started
+try:
+    returncode = command.wait(timeout=seconds)
+except subprocess.TimeoutExpired:
+    returncode = None
+ran = time.monotonic() - started
 try:
     os.kill(-1, signal.SIGKILL)  # every process of the sandbox but this one and bubblewrap's init
 except ProcessLookupError:  # none left
     pass
 for reader in readers:
     reader.join()
+if returncode is None:
+    json.dump({"returncode": None}, sys.stdout)
+    sys.exit()
 def readable(path, info, bits):  # the command's chmod must not hide its own files from the keeper
     if stat.S_IMODE(info.st_mode) & bits != bits:
         os.chmod(path, stat.S_IMODE(info.st_mode) | bits)
@@ -112,7 +124,7 @@ for directory, subdirectories, names in os.walk("/work"):
             with open(path, "rb") as f:
                 kept[os.path.relpath(path, "/work")] = [base64.b64encode(f.read()).decode(), stat.S_IMODE(info.st_mode)]
 json.dump({"stdout": outputs["stdout"].decode(errors="replace"), "stderr": outputs["stderr"].decode(errors="replace"),
-           "returncode": returncode, "seconds": seconds, "files": kept}, sys.stdout)
+           "returncode": returncode, "seconds": ran, "files": kept}, sys.stdout)
 """
 
 
@@ -182,7 +194,7 @@ def run(config: SandboxConfig, command: list[str], files: Files) -> Result:
     isolated as the module docstring says (merely limited when not `config.isolated`)."""
     with _sandbox_inputs(files) as (inputs, out, err):
         if config.isolated:
-            returncode = _run_isolated(config, _launcher(config, command), inputs, out, err)
+            returncode = _run_isolated(config, _launcher(config, command), inputs, out, err, config.seconds)
         else:
             returncode = _run_unisolated(config, _launcher(config, command), inputs, out, err)
         return Result(_read(out, config.output_bytes), _read(err, config.output_bytes), returncode)
@@ -196,14 +208,19 @@ def run_keeping_files(config: SandboxConfig, command: list[str], files: Files) -
     user's, nor keep the command from forging its answer."""
     if not config.isolated:
         raise ValueError("run_keeping_files: isolated only (a terminal has no unisolated mode)")
-    keeper = [config.python, "-I", "-S", "-B", "-c", _KEEPER, str(config.output_bytes), *_launcher(config, command)]
+    keeper = [config.python, "-I", "-S", "-B", "-c", _KEEPER, str(config.seconds), str(config.output_bytes),
+              *_launcher(config, command)]
     with _sandbox_inputs(files) as (inputs, out, err):
-        returncode = _run_isolated(config, keeper, inputs, out, err)
+        # the keeper times the command from its start; the host's bound is for a keeper the
+        # command stopped (SIGSTOP), and leaves a busy host's sandbox start-up out of the limit
+        returncode = _run_isolated(config, keeper, inputs, out, err, config.seconds + KEEPER_START_SECONDS)
         out.seek(0)
         try:  # at most the working directory, base64, and the outputs
             kept = json.loads(out.read((config.disk_mb << 21) + 4 * config.output_bytes + (1 << 20)))
         except ValueError:
             kept = None
+        if returncode == 0 and isinstance(kept, dict) and kept.get("returncode", 0) is None:
+            return Result("", "", None), None
         if returncode != 0 or not isinstance(kept, dict):
             return Result("", _read(err, config.output_bytes), returncode), None
     result = Result(kept["stdout"], kept["stderr"], kept["returncode"], kept["seconds"])
@@ -241,7 +258,7 @@ def _sandbox_inputs(files: Files):
             yield inputs, out, err
 
 
-def _run_isolated(config: SandboxConfig, launch: list[str], inputs, out, err) -> int | None:
+def _run_isolated(config: SandboxConfig, launch: list[str], inputs, out, err, seconds: float) -> int | None:
     descriptors = [os.open(path, os.O_RDONLY) for _, path, _ in inputs]
     arguments = [shutil.which(BUBBLEWRAP) or BUBBLEWRAP, "--unshare-all", "--die-with-parent", "--new-session",
                  "--cap-drop", "ALL", "--clearenv", "--uid", str(NOBODY), "--gid", str(NOBODY),
@@ -262,7 +279,7 @@ def _run_isolated(config: SandboxConfig, launch: list[str], inputs, out, err) ->
     arguments += ["--remount-ro", "/", "--chdir", WORKDIR, "--"]
     unprivileged = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
     try:
-        returncode = _wait(arguments + launch, config, out, err, pass_fds=descriptors, **unprivileged)
+        returncode = _wait(arguments + launch, seconds, out, err, pass_fds=descriptors, **unprivileged)
         # bwrap exits with 128 + N when signal N ended the command, as a shell does
         return 128 - returncode if returncode is not None and returncode > 128 else returncode
     finally:
@@ -276,16 +293,16 @@ def _run_unisolated(config: SandboxConfig, launch: list[str], inputs, out, err) 
             os.makedirs(os.path.dirname(os.path.join(directory, name)), exist_ok=True)
             shutil.copyfile(path, os.path.join(directory, name))
             os.chmod(os.path.join(directory, name), mode)
-        return _wait(launch, config, out, err, cwd=directory)
+        return _wait(launch, config.seconds, out, err, cwd=directory)
 
 
-def _wait(command: list[str], config: SandboxConfig, out, err, **popen) -> int | None:
-    """The exit status, or None once the time limit has passed (the process group killed:
+def _wait(command: list[str], seconds: float, out, err, **popen) -> int | None:
+    """The exit status, or None once `seconds` have passed (the process group killed:
     bubblewrap, or the unisolated command and the children still in its group)."""
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env={},
                                start_new_session=True, **popen)
     try:
-        return process.wait(timeout=config.seconds)
+        return process.wait(timeout=seconds)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()

@@ -110,7 +110,10 @@ class TerminalEnvironment:
         """The task's score: its test command, with its tests in TESTS, over the files as the
         model left them."""
         tests = {f"{TESTS}/{path}": text for path, text in self.task.tests.items()}
-        result = sandbox.run(self.sandbox_config, ["/bin/sh", "-c", self.task.test], {**self.files, **tests})
+        # under the keeper, whose limit counts from the test's start, so a busy host's sandbox
+        # start-up cannot fail it
+        result, _ = sandbox.run_keeping_files(self.sandbox_config, ["/bin/sh", "-c", self.task.test],
+                                              {**self.files, **tests})
         return 1.0 if result.returncode == 0 else 0.0
 
 

@@ -7,8 +7,10 @@ shipped task's solution passes its test where doing nothing fails."""
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 
@@ -82,6 +84,43 @@ def test_a_command_killed_at_its_limit_leaves_the_files_as_they_were(environment
     output, reward, done = bash(env, "echo after > f; sleep 20")
     assert "(killed: the command's limit of 3 s; the files are as they were)" in output
     assert (reward, done) == (0.0, False)
+    assert bash(env, "cat f")[0] == "\n<output>before\n</output>\n"
+
+
+@pytest.fixture
+def slow_bubblewrap(monkeypatch):
+    """bubblewrap started 4 s late, past the commands' 3 s limit (a loaded host's start-up)."""
+    directory = tempfile.mkdtemp(prefix="slow_bwrap_")
+    os.chmod(directory, 0o755)  # the sandbox's host side runs as uid 65534 under root
+    script = os.path.join(directory, "bwrap")
+    with open(script, "w") as f:
+        f.write(f'#!/bin/sh\nsleep 4\nexec {shutil.which(sandbox.BUBBLEWRAP)} "$@"\n')
+    os.chmod(script, 0o755)
+    monkeypatch.setattr(sandbox, "BUBBLEWRAP", script)
+    yield
+    shutil.rmtree(directory)
+
+
+def test_a_slow_sandbox_start_up_kills_no_command_and_fails_no_test(environment, tmp_path, slow_bubblewrap):
+    """The limit counts from the command's start, inside the sandbox: a host whose start-up
+    alone outlasts the limit still runs each command, and its test, to the end."""
+    env = opened(environment, tmp_path)
+    started = time.monotonic()
+    assert bash(env, "sort ab > cd; echo sorted") == ("\n<output>sorted\n</output>\n", 0.0, False)
+    assert time.monotonic() - started > 4
+    assert env.finish() == 1.0
+    output, _, _ = bash(env, "sleep 20")
+    assert "(killed: the command's limit of 3 s; the files are as they were)" in output
+
+
+def test_a_command_that_stops_the_keeper_is_killed_at_the_hosts_bound(environment, tmp_path, monkeypatch):
+    monkeypatch.setattr(sandbox, "KEEPER_START_SECONDS", 1.0)
+    env = opened(environment, tmp_path)
+    bash(env, "echo before > f")
+    started = time.monotonic()
+    output, _, _ = bash(env, "echo after > f; kill -STOP $PPID; sleep 20")
+    assert 3 < time.monotonic() - started < 8
+    assert "(killed: the command's limit of 3 s; the files are as they were)" in output
     assert bash(env, "cat f")[0] == "\n<output>before\n</output>\n"
 
 
