@@ -3,7 +3,7 @@
 # (tools/parity_doctor.py --ablate), in BI and default mode on one GPU, for the tiny recipe's model
 # widened to hidden 2048 (dense, as examples/bi_vs_default.sh: there the stock kernels disagree
 # with the engine) or the tiny hybrid recipe's GDN model; writes OUTPUT_JSON (default
-# runs/parity_doctor_MODEL.json; the published files are results/parity_doctor_MODEL_h200.json).
+# runs/parity_doctor_MODEL.json; the published files are results/parity_doctor_MODEL_h100.json).
 # Usage: bash examples/parity_doctor.sh dense|hybrid [OUTPUT_JSON] [extra flags...]
 # (a second argument that starts with -- is a flag: the default output is kept)
 set -euo pipefail

@@ -211,6 +211,35 @@ def _plan_vs_run_table(*paths: str) -> str:
     return "\n".join(rows)
 
 
+def _ablation_cell(row: dict) -> str:
+    if "not_run" in row:
+        return f"not run: {row['not_run'].split(' (')[0]}"
+    first = f", first at `{row['first_differing']}`" if row["first_differing"] else ""
+    return f"{row['tokens_different']:,} of {row['tokens']:,}, max {row['max_abs_diff']:.3g}{first}"
+
+
+def _ablation_table(*paths: str) -> str:
+    """The parity doctor's ablation (tools/parity_doctor.py --ablate), a column per file: for
+    each BI piece left off alone, the logprob tokens that differ, the largest difference and the
+    first component that differs; last, default mode (every piece off) as the doctor ran it."""
+    reports = [load(path) for path in paths]
+    rows = ["| piece off | " + " | ".join(f"`{os.path.basename(path)}`" for path in paths) + " |",
+            "| --- |" + " --- |" * len(paths)]
+    for piece in [row["piece"] for row in reports[0]["ablation"]]:
+        cells = [_ablation_cell(next(row for row in report["ablation"] if row["piece"] == piece))
+                 for report in reports]
+        rows.append(f"| {piece} | " + " | ".join(cells) + " |")
+    defaults = []
+    for report in reports:
+        default = report["runs"]["default"]
+        logprobs = next(c for c in default["components"] if c["component"] == "logprobs")
+        defaults.append(_ablation_cell({"tokens": logprobs["rows"], "tokens_different": logprobs["rows_different"],
+                                        "max_abs_diff": logprobs["max_abs_diff"],
+                                        "first_differing": default["first_differing"]}))
+    rows.append("| default mode (all off) | " + " | ".join(defaults) + " |")
+    return "\n".join(rows)
+
+
 def _last_step_lines(path: str, plot: str) -> str:
     """The console's last lines of a pretrain_rl.py run: its last step's progress line, then
     the plot path tools/plot_metrics.py prints."""
@@ -224,7 +253,7 @@ def _last_step_lines(path: str, plot: str) -> str:
 TABLES = {"parity": _parity_table, "rl_runs": _rl_runs_table, "bench": _bench_table,
           "decode_tail": _decode_tail_table, "gdn_rule": _gdn_rule_table, "memory_bench": _memory_bench_table,
           "memory_plans": _memory_plan_table, "plan_vs_run": _plan_vs_run_table,
-          "last_step_lines": _last_step_lines}
+          "last_step_lines": _last_step_lines, "ablation": _ablation_table}
 
 
 def render_table(name: str, *paths: str) -> str:

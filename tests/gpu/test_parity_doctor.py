@@ -3,6 +3,8 @@ the engine's batches right (every key names the token its row fed: `check_tokens
 `diagnose` raises otherwise), in BI mode every component agrees, in default mode it names where
 the two sides part, and a piece left off is named where it acts."""
 
+import re
+
 import pytest
 import torch
 
@@ -48,11 +50,14 @@ def test_default_mode_is_named_where_it_parts(distributed):
     assert all(rows[n]["rows_different"] == 0 for n in names[:names.index(first)])
 
 
-def test_gemm_left_off_parts_at_the_first_product(distributed):
-    """The embedding and the first norm run no GEMM: with the BI GEMM off, the first layer's
-    mixer (its QKV product) is where the sides part, if they part."""
+def test_gemm_left_off_parts_at_a_product(distributed):
+    """The embedding and the norms run no GEMM: with the BI GEMM off, the sides part, if they
+    part, at a component that runs one (a layer's mixer or MLP, or the LM head). Which product
+    parts first is cuBLAS's choice per shape: on the H100 at 0754ff7 the QKV and output
+    projections kept their bits and the first MLP did not."""
     rows, report = _diagnose(TINY_DENSE_ARGS, True, without=["gemm"])
-    if report["first_differing"] is not None:
-        assert report["first_differing"] == "layers.0.self_attention"
+    first = report["first_differing"]
+    if first is not None:
+        assert re.fullmatch(r"layers\.\d+\.(self_attention|mlp)|output_layer", first), first
     assert rows["embedding"]["rows_different"] == rows["layers.0.input_layernorm"]["rows_different"] == 0
     torch.cuda.empty_cache()

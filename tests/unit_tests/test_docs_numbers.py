@@ -130,6 +130,29 @@ def test_the_plan_against_the_run(tmp_path):
         "| `older.jsonl` | the run, its start included | 10.0 | 8.0 | 1.25 |"]
 
 
+def test_the_ablation_table_by_hand(tmp_path):
+    def report(gemm_differ, default_first):
+        components = [{"component": "layers.0.mlp", "rows": 10, "rows_different": gemm_differ},
+                      {"component": "logprobs", "rows": 10, "rows_different": 3, "max_abs_diff": 0.25}]
+        return {"ablation": [{"piece": "gemm", "tokens": 10, "tokens_different": gemm_differ,
+                              "max_abs_diff": 0.5 * gemm_differ, "first_differing": "layers.0.mlp" if gemm_differ else None},
+                             {"piece": "gdn_recurrent", "not_run": "no GDN layers"},
+                             {"piece": "flash_version", "not_run": "FlashAttention-3 is not installed (install: ...)"}],
+                "runs": {"default": {"components": components, "first_differing": default_first}}}
+    paths = []
+    for name, differ, first in (("dense.json", 8, "layers.0.mlp"), ("hybrid.json", 0, "layers.0.self_attention")):
+        paths.append(str(tmp_path / name))
+        (tmp_path / name).write_text(json.dumps(report(differ, first)))
+    assert results_docs.TABLES["ablation"](*paths).splitlines() == [
+        "| piece off | `dense.json` | `hybrid.json` |",
+        "| --- | --- | --- |",
+        "| gemm | 8 of 10, max 4, first at `layers.0.mlp` | 0 of 10, max 0 |",
+        "| gdn_recurrent | not run: no GDN layers | not run: no GDN layers |",
+        "| flash_version | not run: FlashAttention-3 is not installed | not run: FlashAttention-3 is not installed |",
+        "| default mode (all off) | 3 of 10, max 0.25, first at `layers.0.mlp` "
+        "| 3 of 10, max 0.25, first at `layers.0.self_attention` |"]
+
+
 def test_an_edited_table_cell_is_drift_and_the_cli_says_so(tmp_path, monkeypatch, capsys):
     header = "<!-- table parity results/parity_dense_h200.json -->\n"
     right = header + results_docs.render_table("parity", "results/parity_dense_h200.json") + "\n<!-- /table -->"
