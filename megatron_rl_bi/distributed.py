@@ -11,6 +11,23 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 
+def _set_rendezvous_address() -> None:
+    """Where the process group meets, unless the launcher said: a plain single process (a tool,
+    a GPU test) takes a free port of its own, since torch's default, 29500, is also torchrun's,
+    and two of them on one machine (a tool beside a job) would fail with EADDRINUSE; processes
+    of a larger world keep the port they all know."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        single = int(os.environ.get("WORLD_SIZE", 1)) == 1
+        os.environ["MASTER_PORT"] = str(_free_port()) if single else "29500"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def initialize_distributed(seed: int, cuda_graphs: bool = False, share_gpus: bool = False) -> None:
     """One process per GPU (torchrun or a single plain process); TP = PP = 1. With `cuda_graphs`
     (--cuda-graph-impl local) the RNG tracker is the graph-safe one megatron-core's graph
@@ -19,8 +36,7 @@ def initialize_distributed(seed: int, cuda_graphs: bool = False, share_gpus: boo
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank % torch.cuda.device_count() if share_gpus else local_rank)
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        _set_rendezvous_address()
         torch.distributed.init_process_group(
             "nccl",
             rank=int(os.environ.get("RANK", 0)),
@@ -38,8 +54,7 @@ def launch_processes() -> list[dict]:
     environment, and megatron-core's data-parallel groups as a run builds them; every process's
     rank, world size, node and data-parallel group, gathered on every rank."""
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        _set_rendezvous_address()
         torch.distributed.init_process_group("gloo", rank=int(os.environ.get("RANK", 0)),
                                              world_size=int(os.environ.get("WORLD_SIZE", 1)))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)

@@ -1,5 +1,11 @@
 """The launch check's verdict (CPU): every rank once, one world size, data-parallel groups of all
-ranks; and where a --load would resume (tests/functional_tests/slurm runs it under Slurm)."""
+ranks; and where a --load would resume (tests/functional_tests/slurm runs it under Slurm); a
+plain process's process group beside another on torch's default port."""
+
+import os
+import socket
+import subprocess
+import sys
 
 import torch
 
@@ -53,3 +59,20 @@ def test_with_generator_ranks_the_check_matches_a_checkpoint_to_the_trainers(tmp
     out = capsys.readouterr().out
     assert "rank 0 of 3 on node0 (local rank 0), data-parallel group [0, 1]" in out
     assert f"launch check passed: 3 processes on 2 nodes (node0, node1); --load {tmp_path}: would resume" in out
+
+
+def test_a_plain_process_meets_beside_a_job_on_the_default_port():
+    """A tool or GPU test run as one plain process must not need port 29500, which a torchrun job
+    beside it holds (two GPU lanes on one machine failed with EADDRINUSE)."""
+    with socket.socket() as job:
+        job.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            job.bind(("127.0.0.1", 29500))
+            job.listen()
+        except OSError:
+            pass  # held by something else already: as busy as the test wants it
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
+        result = subprocess.run([sys.executable, "-c", "from megatron_rl_bi.distributed import launch_processes; "
+                                 "print(launch_processes()[0]['world_size'])"],
+                                capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0 and result.stdout.strip().endswith("1"), result.stderr[-2000:]
