@@ -19,10 +19,11 @@ def _set_rendezvous_address() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         single = int(os.environ.get("WORLD_SIZE", 1)) == 1
-        os.environ["MASTER_PORT"] = str(_free_port()) if single else "29500"
+        os.environ["MASTER_PORT"] = str(free_port()) if single else "29500"
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]

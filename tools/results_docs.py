@@ -31,6 +31,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron_rl_bi.jsonfile import read_object  # noqa: E402
+from megatron_rl_bi.parity.doctor import ablation_entry  # noqa: E402
 from megatron_rl_bi.reporting.metrics import read_segments  # noqa: E402
 from megatron_rl_bi.reporting.provenance import stamped_commit  # noqa: E402
 
@@ -229,13 +230,8 @@ def _ablation_table(*paths: str) -> str:
         cells = [_ablation_cell(next(row for row in report["ablation"] if row["piece"] == piece))
                  for report in reports]
         rows.append(f"| {piece} | " + " | ".join(cells) + " |")
-    defaults = []
-    for report in reports:
-        default = report["runs"]["default"]
-        logprobs = next(c for c in default["components"] if c["component"] == "logprobs")
-        defaults.append(_ablation_cell({"tokens": logprobs["rows"], "tokens_different": logprobs["rows_different"],
-                                        "max_abs_diff": logprobs["max_abs_diff"],
-                                        "first_differing": default["first_differing"]}))
+    defaults = [_ablation_cell(ablation_entry("default", "every piece off", report["runs"]["default"]))
+                for report in reports]
     rows.append("| default mode (all off) | " + " | ".join(defaults) + " |")
     return "\n".join(rows)
 

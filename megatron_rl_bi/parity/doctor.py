@@ -152,7 +152,9 @@ def format_report(title: str, report: dict) -> str:
     return "\n".join(lines)
 
 
-def _ablation_entry(piece: str, does: str, report: dict) -> dict:
+def ablation_entry(piece: str, does: str, report: dict) -> dict:
+    """A run's row of the ablation table: its logprob tokens, those that differ, the largest
+    |diff| and the first differing component."""
     logprobs = report["components"][-1]
     return {"piece": piece, "does": does, "tokens": logprobs["rows"], "tokens_different": logprobs["rows_different"],
             "max_abs_diff": logprobs["max_abs_diff"], "first_differing": report["first_differing"]}
@@ -164,12 +166,12 @@ def ablation_table(reports: dict[str, dict], pieces: dict[str, str], problems: d
     off, the largest |diff| and the first differing component; a piece that could not run
     carries its reason (`problems`). The reported mask's row is the all-on run's comparison
     without it."""
-    rows = [_ablation_entry("(none: all on)", "every piece on", reports["bi"])]
+    rows = [ablation_entry("(none: all on)", "every piece on", reports["bi"])]
     for piece, does in pieces.items():
         if problems.get(piece):
             rows.append({"piece": piece, "does": does, "not_run": problems[piece]})
         else:
-            rows.append(_ablation_entry(piece, does, reports[f"bi without {piece}"]))
+            rows.append(ablation_entry(piece, does, reports[f"bi without {piece}"]))
     unmasked = reports["bi"]["unmasked"]
     rows.append({"piece": REPORTED_MASK, "does": "logprobs compared only where the engine reported one",
                  "tokens": unmasked["rows"], "tokens_different": unmasked["rows_different"],

@@ -1,9 +1,10 @@
 import contextlib
-import socket
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from megatron_rl_bi.distributed import free_port  # noqa: F401 - the tests take it from here
 
 
 class ScriptedGenerator:
@@ -12,12 +13,6 @@ class ScriptedGenerator:
 
     def conversation(self):
         return contextlib.nullcontext()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -140,7 +140,7 @@ def test_check_tokens_refuses_keys_of_other_tokens(model):
         return rows, kwargs["input_ids"][0].tolist()
 
     with bi.batch_invariant(True), Capture(model, misread) as side:
-        forward_logprobs(model, pack_sequences(SEQUENCES[:2]))
+        _forward(model, [0, 1])
     with pytest.raises(RuntimeError, match=r"\(sequence 1, position 0\) fed token 29, but that position holds 27"):
         side.check_tokens(SEQUENCES, "engine")
 
