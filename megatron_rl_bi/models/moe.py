@@ -14,13 +14,16 @@ rest of the batch or on the run:
 The rest is row-wise already: the router GEMM and every expert's GEMMs run through the BI GEMM
 (each row's bits the same for any number of rows an expert receives), the score function is a
 softmax or sigmoid per token, and the experts scale by the router's probabilities row by row.
+Without autograd (the engine) the experts run at once, their GEMMs grouped in one launch of the
+same bits (`BatchInvariantExperts`), since one expert after another is host-bound at 128 experts.
 """
 
 from dataclasses import dataclass
 from functools import partial
+from types import SimpleNamespace
 
 import torch
-from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
@@ -32,6 +35,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDisp
 from torch.overrides import TorchFunctionMode
 
 from megatron_rl_bi import bi
+from megatron_rl_bi.bi import grouped_gemm
 
 
 def stable_topk(scores: torch.Tensor, k: int, dim: int = -1, largest: bool = True,
@@ -135,7 +139,7 @@ class BatchInvariantDispatcher(MoEAllGatherTokenDispatcher):
             return super().dispatch_postprocess(hidden_states, probs)
         self.hidden_shape_before_permute = hidden_states.shape
         self.slots = expert_slots(self.routing_map, self.router_topk)
-        tokens_per_expert = self.routing_map.sum(dim=0).long().cpu()  # SequentialMLP splits by it
+        tokens_per_expert = self.routing_map.sum(dim=0).long()  # on the device: no host sync here
         rows = _Permute.apply(hidden_states, self.slots.token_of_row, self.slots.rows_of_token)
         row_probs = probs.T.reshape(-1).index_select(0, self.slots.expert_major)
         self.routing_map = None
@@ -145,6 +149,54 @@ class BatchInvariantDispatcher(MoEAllGatherTokenDispatcher):
         if not bi.enabled():
             return super().combine_preprocess(hidden_states)
         return _Combine.apply(hidden_states, self.slots.token_of_row, self.slots.rows_of_token)
+
+
+class _GroupedLinear(torch.nn.Module):
+    """Every expert's linear at once (one of megatron-core's MLP linears: returns (out, bias))."""
+
+    def __init__(self, table: torch.Tensor, shape: torch.Size, rows_per_expert: torch.Tensor):
+        super().__init__()
+        self.table, self.shape, self.rows_per_expert = table, shape, rows_per_expert
+
+    def forward(self, rows: torch.Tensor):
+        return grouped_gemm.grouped_matmul(rows, self.table, self.shape, self.rows_per_expert), None
+
+
+class BatchInvariantExperts(SequentialMLP):
+    """megatron-core's SequentialMLP. Under the switch and without autograd (the engine; also the
+    trainer's forwards that record nothing), its experts run at once: megatron-core's MLP.forward
+    over every expert's rows, its two linears `grouped_gemm.grouped_matmul`, whose rows are the
+    BI GEMM's bits (tests/gpu/test_moe.py holds the two paths equal). With autograd each expert
+    runs alone, as megatron-core does, and its linears' backward gives each expert's gradients."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._tables = (grouped_gemm.WeightTable(), grouped_gemm.WeightTable())
+
+    def _linear_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return ([expert.linear_fc1.weight for expert in self.local_experts],
+                [expert.linear_fc2.weight for expert in self.local_experts])
+
+    def _grouped(self, rows: torch.Tensor) -> bool:
+        if (not bi.enabled("gemm") or torch.is_grad_enabled() or self.num_local_experts == 1
+                or self.config.fp8 or self.config.fp4 or self.config.moe_apply_probs_on_input
+                or self.config.add_bias_linear):
+            return False
+        fc1, fc2 = self._linear_weights()
+        return (rows.dim() == 2 and rows.shape[1] == fc1[0].shape[1]
+                and fc2[0].shape[1] * (2 if self.config.gated_linear_unit else 1) == fc1[0].shape[0]
+                and all(grouped_gemm.groupable(w, rows.dtype, rows.device) for w in (fc1, fc2)))
+
+    def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
+        if not self._grouped(rows):
+            return super().forward(rows, tokens_per_expert, probs)
+        expert = self.local_experts[0]
+        linears = [_GroupedLinear(table(weights), weights[0].shape, tokens_per_expert.to(rows.device))
+                   for table, weights in zip(self._tables, self._linear_weights())]
+        # megatron-core's own expert forward, its activation and scaling the same code on all rows
+        every_expert = SimpleNamespace(config=expert.config, activation_func=expert.activation_func,
+                                       linear_fc1=linears[0], linear_fc2=linears[1])
+        return MLP.forward(every_expert, rows, per_token_scale=probs)
 
 
 class BatchInvariantMoELayer(MoELayer):
@@ -208,7 +260,7 @@ def moe_mlp(linear_fc1: type, linear_fc2: type):
     """The MLP builder of a MoE layer (a layer spec's `mlp`): routed SequentialMLP experts and
     shared experts (built when --moe-shared-expert-intermediate-size is set), of these linears."""
     linears = MLPSubmodules(linear_fc1=linear_fc1, linear_fc2=linear_fc2)
-    experts = partial(SequentialMLP, submodules=linears)
+    experts = partial(BatchInvariantExperts, submodules=linears)
     return partial(BatchInvariantMoELayer, submodules=MoESubmodules(
         experts=experts, shared_experts=partial(SharedExpertMLP, submodules=linears),
         router=BatchInvariantRouter))

@@ -81,3 +81,22 @@ def test_close_to_cublas():
     a, b = _operands(3000, 2048, 5632)
     ours, theirs = gemm.matmul(a, b), a @ b
     assert (ours.float() - theirs.float()).norm() / theirs.float().norm() < 1e-2
+
+
+def test_grouped_rows_equal_each_experts_own_product():
+    """The experts' grouped GEMM (bi/grouped_gemm.py) at Qwen3-30B-A3B's expert widths: each
+    expert's rows the bits of the BI GEMM on that expert alone, for experts of no rows, of one
+    part tile and of several tiles (whose own products take other tile configs)."""
+    from megatron_rl_bi.bi import grouped_gemm
+
+    torch.manual_seed(0)
+    counts = torch.randint(0, 12, (128,))
+    counts[:8] = torch.tensor([0, 1, 63, 64, 65, 200, 300, 1000])
+    for k, n in ((2048, 1536), (768, 2048)):  # linear_fc1 (gate and up), linear_fc2
+        rows = torch.randn(int(counts.sum()), k, device="cuda", dtype=torch.bfloat16)
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 32 for _ in counts]
+        out = grouped_gemm.grouped_matmul(rows, grouped_gemm.WeightTable()(weights), weights[0].shape,
+                                          counts.cuda())
+        expected = [gemm.matmul(part, w.T) for part, w in zip(torch.split(rows, counts.tolist()), weights)]
+        for expert, (got, want) in enumerate(zip(torch.split(out, counts.tolist()), expected)):
+            assert torch.equal(got, want), f"expert {expert} ({counts[expert]} rows), K {k}"

@@ -59,6 +59,25 @@ def test_a_moe_layers_rows_are_the_same_alone_and_in_any_batch(model):
         assert torch.equal(layer(tokens[permutation])[0], full[permutation])
 
 
+def test_experts_at_once_give_the_bits_of_one_expert_after_another(model, monkeypatch):
+    """Without autograd (the engine) the experts run at once through the grouped GEMM; with it
+    (the trainer) one after another: every row the same bits."""
+    from megatron_rl_bi.bi import grouped_gemm
+
+    _, model = model
+    layer = _first_moe(model)
+    calls = []
+    grouped = grouped_gemm.grouped_matmul
+    monkeypatch.setattr(grouped_gemm, "grouped_matmul", lambda *a: calls.append(1) or grouped(*a))
+    torch.manual_seed(0)
+    tokens = torch.randn(300, 1, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        at_once, _ = layer(tokens)
+    assert len(calls) == 2  # linear_fc1 and linear_fc2
+    one_after_another, _ = layer(tokens)
+    assert len(calls) == 2 and torch.equal(at_once, one_after_another.detach())
+
+
 def test_a_moe_layers_backward_repeats_its_bits(model):
     """megatron-core's permutation backward adds a token's k row gradients with atomics."""
     _, model = model

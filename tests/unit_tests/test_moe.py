@@ -281,3 +281,27 @@ def test_routers_record_the_experts_they_chose_for_routing_metrics(moe_layer):
         stale.router(tokens)
         assert moe.recorded_routing() is None  # the forgotten router is not asked
     moe.forget_routing_recorders()
+
+
+def test_without_autograd_the_experts_run_at_once_with_each_experts_bits(moe_layer, monkeypatch):
+    """The engine's path: under the switch and no autograd, megatron-core's expert forward once over
+    every expert's rows, both linears grouped; with autograd, the switch off or the GEMM piece left
+    off, one expert after another. The rows are the same bits either way (K fits one K step of the
+    interpreter's dot; the GPU test holds it at real widths)."""
+    from megatron_rl_bi.bi import grouped_gemm
+
+    calls = []
+    grouped = grouped_gemm.grouped_matmul
+    monkeypatch.setattr(grouped_gemm, "grouped_matmul", lambda *a: calls.append(a[0].shape) or grouped(*a))
+    layer = moe_layer()
+    tokens = tied_tokens(40)
+    with bi.batch_invariant(True):
+        with torch.no_grad():
+            at_once, _ = layer(tokens)
+        assert calls == [(40 * TOPK, HIDDEN), (40 * TOPK, 8)]
+        one_after_another, _ = layer(tokens)
+        with torch.no_grad(), bi.batch_invariant(True, without=["gemm"]):
+            layer(tokens)
+    with torch.no_grad():
+        layer(tokens)
+    assert len(calls) == 2 and torch.equal(at_once, one_after_another.detach())
