@@ -123,7 +123,8 @@ def installed_kernel_problem(args: argparse.Namespace) -> str | None:
 
 def moe_errors(args: argparse.Namespace, batch_invariant: bool) -> list[str]:
     """Why a --num-experts run cannot work here (models/moe.py: megatron-core's MoE layer with
-    expert parallelism 1, the allgather dispatcher, SequentialMLP experts, engine eager), and in
+    expert parallelism 1, the allgather dispatcher, SequentialMLP experts grouped without
+    autograd in BI mode, engine eager), and in
     BI mode what would make a token's routing depend on its batch."""
     if not args.num_experts:
         return (["--moe-enable-routing-replay without --num-experts: there is no routing to record"]
@@ -148,7 +149,8 @@ def moe_errors(args: argparse.Namespace, batch_invariant: bool) -> list[str]:
                       args.moe_pad_experts_for_cuda_graph_inference)):
         if on:
             errors.append(f"{flag}: not supported with --num-experts here (the experts run as "
-                          "SequentialMLP, one GEMM an expert; the engine runs MoE models eagerly)")
+                          "megatron-core's SequentialMLP, which BI mode's engine runs as one grouped GEMM "
+                          "a linear; the engine runs MoE models eagerly)")
     if args.moe_shared_expert_intermediate_size and args.add_bias_linear:
         errors.append("--moe-shared-expert-intermediate-size with biases: megatron-core's shared expert "
                       "has none; pass --disable-bias-linear")
