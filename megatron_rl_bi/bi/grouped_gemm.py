@@ -63,7 +63,10 @@ def groupable(weights: list[torch.Tensor], dtype: torch.dtype, device: torch.dev
 
 
 class WeightTable:
-    """The experts' weight addresses on the device, remade only when one of them moves."""
+    """The experts' weight addresses on the device, remade only when one of them moves. A CUDA
+    graph holds the table it was captured with: the weights must stay where they were (the
+    engine's weights are updated in place, as for every graphed layer), and the table is made
+    before capture, by the warm-up forward."""
 
     def __init__(self):
         self._addresses: tuple[int, ...] = ()
@@ -72,6 +75,9 @@ class WeightTable:
     def __call__(self, weights: list[torch.Tensor]) -> torch.Tensor:
         addresses = tuple(w.data_ptr() for w in weights)
         if addresses != self._addresses:
+            if weights[0].is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the experts' weights moved while a CUDA graph is captured: "
+                                   "a graph would keep reading the old addresses")
             self._table = torch.tensor(addresses, dtype=torch.int64, device=weights[0].device)
             self._addresses = addresses
         return self._table

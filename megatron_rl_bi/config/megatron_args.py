@@ -124,7 +124,7 @@ def installed_kernel_problem(args: argparse.Namespace) -> str | None:
 def moe_errors(args: argparse.Namespace, batch_invariant: bool) -> list[str]:
     """Why a --num-experts run cannot work here (models/moe.py: megatron-core's MoE layer with
     expert parallelism 1, the allgather dispatcher, SequentialMLP experts grouped without
-    autograd in BI mode, engine eager), and in
+    autograd in BI mode, engine graphs in BI mode only), and in
     BI mode what would make a token's routing depend on its batch."""
     if not args.num_experts:
         return (["--moe-enable-routing-replay without --num-experts: there is no routing to record"]
@@ -150,13 +150,17 @@ def moe_errors(args: argparse.Namespace, batch_invariant: bool) -> list[str]:
         if on:
             errors.append(f"{flag}: not supported with --num-experts here (the experts run as "
                           "megatron-core's SequentialMLP, which BI mode's engine runs as one grouped GEMM "
-                          "a linear; the engine runs MoE models eagerly)")
+                          "a linear)")
     if args.moe_shared_expert_intermediate_size and args.add_bias_linear:
         errors.append("--moe-shared-expert-intermediate-size with biases: megatron-core's shared expert "
                       "has none; pass --disable-bias-linear")
-    if args.cuda_graph_impl != "none":
-        errors.append(f"--cuda-graph-impl {args.cuda_graph_impl} with --num-experts: the engine runs "
-                      "MoE models eagerly (the dispatcher splits tokens on the host); leave it none")
+    if args.cuda_graph_impl != "none" and not batch_invariant:
+        errors.append(f"--cuda-graph-impl {args.cuda_graph_impl} with --num-experts in default mode: "
+                      "megatron-core's dispatcher and experts split tokens on the host, which a graph "
+                      "cannot hold; leave it none, or add --batch-invariant-mode (whose experts do not)")
+    if args.cuda_graph_impl != "none" and args.moe_enable_routing_replay:
+        errors.append(f"--cuda-graph-impl {args.cuda_graph_impl} with --moe-enable-routing-replay: the "
+                      "routers record their choices in Python, which a replayed graph skips; leave it none")
     if batch_invariant:
         if args.moe_expert_capacity_factor is not None or args.moe_pad_expert_input_to_capacity:
             errors.append("--moe-expert-capacity-factor with --batch-invariant-mode: which tokens an "

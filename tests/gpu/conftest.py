@@ -29,6 +29,16 @@ TINY_HYBRID_ARGS = [
     *COMMON_ARGS,
 ]
 VOCAB_SIZE = 32000
+MOE_ARGS = ["--num-experts", "16", "--moe-router-topk", "4", "--moe-ffn-hidden-size", "512",
+            "--moe-shared-expert-intermediate-size", "512", "--moe-aux-loss-coeff", "0.01",
+            "--moe-router-dtype", "fp32", "--hidden-size", "1024", "--ffn-hidden-size", "2816",
+            "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2"]
+TINY_MOE_ARGS = ["--num-layers", "4", *MOE_ARGS, *COMMON_ARGS]
+# Qwen3.5-MoE's layers: its shared expert scaled by the sigmoid of its own gate
+TINY_HYBRID_MOE_ARGS = ["--hybrid-layer-pattern", "GEGE*E", "--linear-num-key-heads", "4",
+                        "--linear-num-value-heads", "8", "--linear-key-head-dim", "64",
+                        "--linear-value-head-dim", "64", "--linear-conv-kernel-dim", "4",
+                        "--moe-shared-expert-gate", *MOE_ARGS, *COMMON_ARGS]
 
 
 @pytest.fixture(scope="session")

@@ -100,3 +100,13 @@ def test_grouped_rows_equal_each_experts_own_product():
         expected = [gemm.matmul(part, w.T) for part, w in zip(torch.split(rows, counts.tolist()), weights)]
         for expert, (got, want) in enumerate(zip(torch.split(out, counts.tolist()), expected)):
             assert torch.equal(got, want), f"expert {expert} ({counts[expert]} rows), K {k}"
+
+
+def test_no_weight_table_is_made_while_a_graph_is_captured():
+    """A table made inside a capture would be read from an address the graph keeps: refused."""
+    from megatron_rl_bi.bi import grouped_gemm
+
+    weights = [torch.zeros(64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="moved while a CUDA graph is captured"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            grouped_gemm.WeightTable()(weights)

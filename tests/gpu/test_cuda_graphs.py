@@ -1,7 +1,8 @@
 """The engine's CUDA graphs (--cuda-graph-impl local --inference-cuda-graph-scope block) in BI
-mode, dense and hybrid (GDN layers: decode-only graphs): a graphed engine generates exactly what
-the eager engine generates on the same model (tokens and logprobs), still does after the weights
-change in place, and keeps trainer parity."""
+mode, dense, hybrid (GDN layers: decode-only graphs), dense-MoE and hybrid GDN-MoE (the experts'
+grouped GEMM inside the graphs): a graphed engine generates exactly what the eager engine
+generates on the same model (tokens and logprobs), still does after the weights change in place,
+and keeps trainer parity."""
 
 import pytest
 import torch
@@ -11,12 +12,13 @@ from megatron_rl_bi import bi
 from megatron_rl_bi.inference import EngineConfig, Generator, Sampling
 from megatron_rl_bi.parity.harness import random_requests, run_parity
 
-from .conftest import TINY_DENSE_ARGS, TINY_HYBRID_ARGS, VOCAB_SIZE, build
+from .conftest import TINY_DENSE_ARGS, TINY_HYBRID_ARGS, TINY_HYBRID_MOE_ARGS, TINY_MOE_ARGS, VOCAB_SIZE, build
 
 pytestmark = pytest.mark.gpu
 
 GRAPH_FLAGS = ["--cuda-graph-impl", "local", "--inference-cuda-graph-scope", "block"]
-MODELS = {"dense": (TINY_DENSE_ARGS, []), "hybrid": (TINY_HYBRID_ARGS, ["--decode-only-cuda-graphs"])}
+MODELS = {"dense": (TINY_DENSE_ARGS, []), "hybrid": (TINY_HYBRID_ARGS, ["--decode-only-cuda-graphs"]),
+          "dense-MoE": (TINY_MOE_ARGS, []), "hybrid GDN-MoE": (TINY_HYBRID_MOE_ARGS, ["--decode-only-cuda-graphs"])}
 
 
 def _engine(cuda_graphs, decode_only):
@@ -32,7 +34,10 @@ def graph_model(request, distributed):
     try:
         yield build(model_args, batch_invariant=True, extra=GRAPH_FLAGS + extra), bool(extra)
     finally:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
         bi.disable()
+        destroy_moe_metrics_tracker()  # a MoE model's entries are sized by its layer count
         model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
 
 

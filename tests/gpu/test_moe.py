@@ -12,22 +12,12 @@ from megatron_rl_bi.inference import EngineConfig, Generator, Sampling
 from megatron_rl_bi.models.moe import BatchInvariantMoELayer
 from megatron_rl_bi.parity.harness import random_requests, run_parity
 
-from .conftest import COMMON_ARGS, VOCAB_SIZE, assert_parity_across_a_step, build, packed_logits
+from .conftest import (TINY_HYBRID_MOE_ARGS, TINY_MOE_ARGS, VOCAB_SIZE, assert_parity_across_a_step, build,
+                       packed_logits)
 
 pytestmark = pytest.mark.gpu
 
-MOE_ARGS = ["--num-experts", "16", "--moe-router-topk", "4", "--moe-ffn-hidden-size", "512",
-            "--moe-shared-expert-intermediate-size", "512", "--moe-aux-loss-coeff", "0.01",
-            "--moe-router-dtype", "fp32", "--hidden-size", "1024", "--ffn-hidden-size", "2816",
-            "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2"]
-MODELS = {
-    "dense-MoE": ["--num-layers", "4", *MOE_ARGS, *COMMON_ARGS],
-    # Qwen3.5-MoE's layers: its shared expert scaled by the sigmoid of its own gate
-    "hybrid GDN-MoE": ["--hybrid-layer-pattern", "GEGE*E", "--linear-num-key-heads", "4",
-                       "--linear-num-value-heads", "8", "--linear-key-head-dim", "64",
-                       "--linear-value-head-dim", "64", "--linear-conv-kernel-dim", "4",
-                       "--moe-shared-expert-gate", *MOE_ARGS, *COMMON_ARGS],
-}
+MODELS = {"dense-MoE": TINY_MOE_ARGS, "hybrid GDN-MoE": TINY_HYBRID_MOE_ARGS}
 ENGINE = EngineConfig(max_requests=64, max_tokens=8192, max_sequence_length=1024,
                       buffer_size_gb=4.0, prompt_logprobs=True)
 

@@ -250,7 +250,7 @@ MOE = ("--num-experts", "4", "--moe-router-topk", "2")
     (("--moe-router-fusion",), "--moe-router-fusion: not supported"),
     (("--moe-pad-experts-for-cuda-graph-inference",), "--moe-pad-experts-for-cuda-graph-inference: not supported"),
     (("--cuda-graph-impl", "local", "--inference-cuda-graph-scope", "block"),
-     "--cuda-graph-impl local with --num-experts: the engine runs MoE models eagerly"),
+     "--cuda-graph-impl local with --num-experts in default mode: megatron-core's dispatcher"),
     (("--moe-shared-expert-intermediate-size", "8"), "--moe-shared-expert-intermediate-size with biases"),
     (("--moe-enable-routing-replay", "--inference-dynamic-batching-async-sched-mode", "async"),
      "--moe-enable-routing-replay with --inference-dynamic-batching-async-sched-mode async"),
@@ -269,6 +269,15 @@ def test_what_makes_routing_depend_on_the_batch_is_refused_in_bi_mode_only(flags
     bi_flags = ("--batch-invariant-mode", "--flash-attention-version", "4")
     assert error in errors_for(*MOE, *bi_flags, *flags)
     parse_args(MODEL + [*MOE, *flags])  # default mode takes them
+
+
+def test_engine_graphs_with_experts_are_taken_in_bi_mode_without_routing_records():
+    graphs = ("--cuda-graph-impl", "local", "--inference-cuda-graph-scope", "block")
+    bi_flags = ("--batch-invariant-mode", "--flash-attention-version", "4")
+    parse_args(MODEL + [*MOE, *graphs, *bi_flags])
+    assert ("--cuda-graph-impl local with --moe-enable-routing-replay: the routers record their choices "
+            "in Python, which a replayed graph skips") in errors_for(*MOE, *graphs, *bi_flags,
+                                                                      "--moe-enable-routing-replay")
 
 
 def test_routing_replay_without_experts_is_refused():
