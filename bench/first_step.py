@@ -1,0 +1,112 @@
+r"""Time to the first step, with empty compile caches (a fresh machine) and with the caches that run
+filled (a warm one): the run's whole wall time, the time until its first step's record is written,
+and the first step's phases against the median of its later steps. Each round runs the command
+twice on one new cache directory (Triton's kernels and autotuning picks, TorchInductor's,
+CUTLASS DSL's (FlashAttention-4), the CUDA JIT's, and TMPDIR/XDG_CACHE_HOME, where the rest
+keep theirs): first empty, then filled. The ratios are the rounds' medians. A fresh machine's
+caches, not its file cache: the libraries' files are read from memory in both runs.
+
+  python bench/first_step.py --output results/bench_first_step_hybrid_h200.json -- \
+      --recipe examples/recipes/tiny_sort_hybrid.yaml --batch-invariant-mode \
+      --flash-attention-version 4 --train-iters 24
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.report import positive_int, write_report  # noqa: E402
+
+from megatron_rl_bi.reporting.metrics import read_step_records  # noqa: E402
+from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE_VARIABLES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUTE_DSL_CACHE_DIR", "CUDA_CACHE_PATH",
+                   "XDG_CACHE_HOME", "TMPDIR")
+PHASES = ("time/step_s", "time/generation_s", "time/training_s")
+POLL_SECONDS = 0.2
+
+
+def cache_environment(cache_dir: str) -> dict[str, str]:
+    """The environment of a run whose compile caches all live under `cache_dir`."""
+    paths = {name: os.path.join(cache_dir, name.lower()) for name in CACHE_VARIABLES}
+    for path in paths.values():
+        os.makedirs(path, exist_ok=True)
+    return {**os.environ, **paths}
+
+
+def _first_record_seconds(metrics: str, process: subprocess.Popen, start: float) -> float | None:
+    """Seconds from `start` until `metrics` holds a step record (None if the process ends first)."""
+    while process.poll() is None:
+        if os.path.exists(metrics):
+            with open(metrics) as f:
+                if any(line.startswith('{"step"') for line in f):
+                    return time.perf_counter() - start
+        time.sleep(POLL_SECONDS)
+    return None
+
+
+def run_once(flags: list[str], cache_dir: str, work_dir: str) -> dict:
+    """One run of pretrain_rl.py with `flags` on the caches under `cache_dir`."""
+    metrics = os.path.join(work_dir, "metrics.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+               os.path.join(REPO, "pretrain_rl.py"), *flags, "--rl-metrics-jsonl", metrics,
+               "--save", os.path.join(work_dir, "checkpoints")]
+    start = time.perf_counter()
+    process = subprocess.Popen(command, env=cache_environment(cache_dir), cwd=REPO)
+    first_record_s = _first_record_seconds(metrics, process, start)
+    if process.wait() != 0:
+        raise SystemExit(f"first_step.py: the run exited {process.returncode}: {' '.join(command)}")
+    wall_s = time.perf_counter() - start
+    steps = read_step_records(metrics)
+    later = [record for step, record in steps.items() if step > 1]
+    return {"wall_s": wall_s, "first_record_s": first_record_s,
+            "first_step": {phase: steps[1][phase] for phase in PHASES},
+            "later_steps_median": {phase: statistics.median(r[phase] for r in later) for phase in PHASES}
+            if later else None}
+
+
+def ratios(fresh: dict, warm: dict) -> dict:
+    """Fresh against warm (whole run, first record), and each run's first step against its later ones."""
+    out = {"wall_fresh_over_warm": fresh["wall_s"] / warm["wall_s"],
+           "first_record_fresh_over_warm": fresh["first_record_s"] / warm["first_record_s"]}
+    for name, run in (("fresh", fresh), ("warm", warm)):
+        if run["later_steps_median"]:
+            for phase in PHASES:
+                out[f"{name}_first_over_later_{phase.removeprefix('time/')}"] = (
+                    run["first_step"][phase] / run["later_steps_median"][phase])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", help="the JSON report")
+    parser.add_argument("--rounds", type=positive_int, default=1)
+    parser.add_argument("flags", nargs=argparse.REMAINDER, help="after --: pretrain_rl.py's flags")
+    args = parser.parse_args()
+    flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+    if not flags:
+        parser.error("give pretrain_rl.py's flags after --")
+    rounds = []
+    for _ in range(args.rounds):
+        with tempfile.TemporaryDirectory(prefix="first_step_") as root:
+            cache_dir, work_dir = os.path.join(root, "caches"), os.path.join(root, "run")
+            os.makedirs(work_dir)
+            fresh = run_once(flags, cache_dir, work_dir)
+            warm = run_once(flags, cache_dir, work_dir)
+        rounds.append({"fresh": fresh, "warm": warm, "ratios": ratios(fresh, warm)})
+    medians = {key: statistics.median(r["ratios"][key] for r in rounds) for key in rounds[0]["ratios"]}
+    report = {**provenance(), "flags": flags, "rounds": rounds, "medians": medians}
+    write_report(report, medians, args.output)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""bench/first_step.py's arithmetic and cache placement by hand (the runs themselves need a GPU)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("first_step", os.path.join(REPO, "bench", "first_step.py"))
+first_step = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(first_step)
+
+
+def _run(wall, first_record, step, generation, training, later):
+    return {"wall_s": wall, "first_record_s": first_record,
+            "first_step": {"time/step_s": step, "time/generation_s": generation, "time/training_s": training},
+            "later_steps_median": later}
+
+
+def test_ratios_by_hand():
+    later = {"time/step_s": 10.0, "time/generation_s": 4.0, "time/training_s": 5.0}
+    fresh = _run(300.0, 200.0, 170.0, 39.0, 131.0, later)
+    warm = _run(100.0, 40.0, 20.0, 8.0, 10.0, None)
+    assert first_step.ratios(fresh, warm) == {
+        "wall_fresh_over_warm": 3.0, "first_record_fresh_over_warm": 5.0,
+        "fresh_first_over_later_step_s": 17.0, "fresh_first_over_later_generation_s": 9.75,
+        "fresh_first_over_later_training_s": 26.2}
+
+
+def test_every_cache_lives_under_the_rounds_directory(tmp_path):
+    env = first_step.cache_environment(str(tmp_path))
+    for name in first_step.CACHE_VARIABLES:
+        assert env[name] == str(tmp_path / name.lower()) and os.path.isdir(env[name])
+
+
+def test_the_first_record_is_timed_when_its_line_appears(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import time; f = open(%r, 'w'); f.write('{\"run\": {}}\\n'); f.flush(); time.sleep(1.0); "
+        "f.write('{\"step\": 1}\\n'); f.flush(); time.sleep(1.0)") % str(metrics)])
+    seconds = first_step._first_record_seconds(str(metrics), writer, first_step.time.perf_counter())
+    writer.wait()
+    assert seconds is not None and 1.0 <= seconds < 30  # not before the line: the writer sleeps 1 s first
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    assert first_step._first_record_seconds(str(tmp_path / "none.jsonl"), ended, 0.0) is None
