@@ -172,20 +172,29 @@ class BatchInvariantExperts(SequentialMLP):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._tables = (grouped_gemm.WeightTable(), grouped_gemm.WeightTable())
+        self._groupable: dict[tuple[torch.dtype, torch.device], bool] = {}
 
     def _linear_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         return ([expert.linear_fc1.weight for expert in self.local_experts],
                 [expert.linear_fc2.weight for expert in self.local_experts])
 
+    def _weights_groupable(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Asked once per dtype and device: a step's hundreds of calls would each check every
+        expert's two weights on the host."""
+        if (dtype, device) not in self._groupable:
+            fc1, fc2 = self._linear_weights()
+            self._groupable[dtype, device] = (
+                fc2[0].shape[1] * (2 if self.config.gated_linear_unit else 1) == fc1[0].shape[0]
+                and all(grouped_gemm.groupable(w, dtype, device) for w in (fc1, fc2)))
+        return self._groupable[dtype, device]
+
     def _grouped(self, rows: torch.Tensor) -> bool:
         if (not bi.enabled("gemm") or torch.is_grad_enabled() or self.num_local_experts == 1
                 or self.config.fp8 or self.config.fp4 or self.config.moe_apply_probs_on_input
-                or self.config.add_bias_linear):
+                or self.config.add_bias_linear or rows.dim() != 2):
             return False
-        fc1, fc2 = self._linear_weights()
-        return (rows.dim() == 2 and rows.shape[1] == fc1[0].shape[1]
-                and fc2[0].shape[1] * (2 if self.config.gated_linear_unit else 1) == fc1[0].shape[0]
-                and all(grouped_gemm.groupable(w, rows.dtype, rows.device) for w in (fc1, fc2)))
+        return (rows.shape[1] == self.local_experts[0].linear_fc1.weight.shape[1]
+                and self._weights_groupable(rows.dtype, rows.device))
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
         if not self._grouped(rows):
