@@ -18,9 +18,10 @@ At the wall-clock limit bubblewrap is killed, and with it (`--die-with-parent`, 
 namespace) every descendant. Each output stream is read back up to `output_bytes`.
 
 `run_keeping_files` (a terminal's turn, whose files must outlive it) runs the command under a
-keeper instead: the keeper reads the command's output through pipes, and once the command
-exits it kills every other process of the sandbox, then writes the regular files of `/work`
-back to the caller. The keeper makes itself non-dumpable first, so the command, though it runs
+keeper instead: the keeper reads the command's output through pipes and waits for the command
+and every process it started (orphans come to the keeper, their subreaper), so a background job
+(`sort a > b &`) has finished, not raced the command's end; then it writes the regular files of
+`/work` back to the caller. The keeper makes itself non-dumpable first, so the command, though it runs
 as the same user, cannot open the keeper's `/proc` files or trace it, and cannot forge what it
 sends back. The keeper kills the command at the wall-clock limit counted from the command's
 start (a busy host's sandbox start-up is not the command's time); the host kills bubblewrap
@@ -73,15 +74,19 @@ os.execv(sys.argv[6], sys.argv[6:])
 """
 
 # Runs inside the sandbox (argv: wall-clock seconds, bytes of output read back, then the
-# launcher's command line): runs the launcher (the limits, then the command), kills every process
-# it left, at the latest `seconds` after the command's start, and writes its result and the
+# launcher's command line): runs the launcher (the limits, then the command), waits for it and for
+# every process it started (their subreaper), kills whatever still runs `seconds` after the
+# command's start, and writes its result and the
 # working directory's regular files (base64, mode) to stdout, which the command does not hold; a
 # command killed at the limit, only {"returncode": null}.
 _KEEPER = r"""
 import base64, ctypes, json, os, signal, stat, subprocess, sys, threading, time
 seconds, output_bytes = float(sys.argv[1]), int(sys.argv[2])
-if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0
+libc = ctypes.CDLL(None)
+if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0
     sys.exit("the keeper could not make itself non-dumpable")
+if libc.prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER: the command's orphans become the keeper's
+    sys.exit("the keeper could not become the subreaper of the command's processes")
 started = time.monotonic()
 command = subprocess.Popen(sys.argv[3:], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 outputs = {}
@@ -92,10 +97,22 @@ def read(name, stream):
 readers = [threading.Thread(target=read, args=item) for item in (("stdout", command.stdout), ("stderr", command.stderr))]
 for reader in readers:
     reader.start()
-try:
-    returncode = command.wait(timeout=seconds)
-except subprocess.TimeoutExpired:
-    returncode = None
+# The command's exit status once it and every process it started have exited, or None at the
+# deadline: a result must not depend on whether a background job ran before the command ended.
+def wait_for_all(deadline):
+    try:
+        returncode = command.wait(timeout=max(deadline - time.monotonic(), 0))
+    except subprocess.TimeoutExpired:
+        return None
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:  # some still run
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.005)
+        except ChildProcessError:  # none left
+            return returncode
+returncode = wait_for_all(started + seconds)
 ran = time.monotonic() - started
 try:
     os.kill(-1, signal.SIGKILL)  # every process of the sandbox but this one and bubblewrap's init

@@ -3,9 +3,9 @@ the files it starts with, a test command, a time budget) whose files sit in the 
 directory; the model's turns are shell commands, `<bash>command</bash>`, each run by `/bin/sh` in
 the OS-isolated sandbox (envs.sandbox, the code environment's: no network, no host files), its
 output coming back as `<output>...</output>`. Files outlive a turn; processes, the working
-directory and shell variables do not (each command is a fresh `sh -c` in `/work`, and what it
-left running is killed when it exits). A command killed at --rl-code-time-limit leaves the files
-as they were before it.
+directory and shell variables do not (each command is a fresh `sh -c` in `/work`; its turn
+ends when it and every process it started have ended). A command killed at
+--rl-code-time-limit, background jobs and all, leaves the files as they were before it.
 
 The conversation ends when the model writes `<done></done>`, at the turn or context limit
 (`finish`), or once its commands have used the task's budget of seconds; then the task's tests
