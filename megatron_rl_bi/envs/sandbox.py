@@ -12,21 +12,21 @@ fresh `/proc` and a minimal `/dev`; and one writable directory, `/work`, a fresh
 variables; no `/usr/bin` or shell either, unless `SandboxConfig.shell` binds the system's
 commands (`/bin`, `/usr/bin`) read-only for a terminal. Inside, before the command starts, a launcher sets the resource
 limits: CPU seconds, address space of a process, file size, open files, processes and threads
-(counted per sandbox: RLIMIT_NPROC counts per user namespace). A caller running as root starts
+(counted per sandbox, the keeper below among them: RLIMIT_NPROC counts per user namespace). A caller running as root starts
 bubblewrap as uid 65534, since the kernel exempts uid 0 from RLIMIT_NPROC in every namespace.
-At the wall-clock limit bubblewrap is killed, and with it (`--die-with-parent`, the PID
-namespace) every descendant. Each output stream is read back up to `output_bytes`.
+Inside, a keeper runs the command: it reads the command's output through pipes (each stream up
+to `output_bytes`), waits for the command and every process it started (orphans come to the
+keeper, their subreaper), so what a background job or a daemon writes is there every time
+instead of racing the command's end, and kills whatever still runs `seconds` after the
+command's start (a busy host's sandbox start-up is not the command's time). The keeper makes
+itself non-dumpable, so the command, though it runs as the same user, cannot open the keeper's
+`/proc` files or trace it, and cannot forge what it sends back. The host kills bubblewrap, and
+with it (`--die-with-parent`, the PID namespace) every descendant, KEEPER_START_SECONDS after the
+limit, for a keeper the command stopped.
 
-`run_keeping_files` (a terminal's turn, whose files must outlive it) runs the command under a
-keeper instead: the keeper reads the command's output through pipes and waits for the command
-and every process it started (orphans come to the keeper, their subreaper), so a background job
-(`sort a > b &`) has finished, not raced the command's end; then it writes the regular files of
-`/work` back to the caller. The keeper makes itself non-dumpable first, so the command, though it runs
-as the same user, cannot open the keeper's `/proc` files or trace it, and cannot forge what it
-sends back. The keeper kills the command at the wall-clock limit counted from the command's
-start (a busy host's sandbox start-up is not the command's time); the host kills bubblewrap
-KEEPER_START_SECONDS later, for a keeper the command stopped. A command killed at the limit,
-or one that kills or stops the keeper, sends nothing: the files stay as they were before it.
+`run_keeping_files` (a terminal's turn, whose files must outlive it) has the keeper write the
+regular files of `/work` back to the caller too. A command killed at the limit, or one that kills
+or stops the keeper, sends no files: they stay as they were before it.
 
 Not isolated: the kernel itself (there is no seccomp filter; a kernel exploit is out of scope),
 the machine's memory beyond the per-process limit (at most `processes x memory_mb` a sandbox, no
@@ -73,22 +73,22 @@ for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, address_sp
 os.execv(sys.argv[6], sys.argv[6:])
 """
 
-# Runs inside the sandbox (argv: wall-clock seconds, bytes of output read back, then the
-# launcher's command line): runs the launcher (the limits, then the command), waits for it and for
-# every process it started (their subreaper), kills whatever still runs `seconds` after the
-# command's start, and writes its result and the
-# working directory's regular files (base64, mode) to stdout, which the command does not hold; a
-# command killed at the limit, only {"returncode": null}.
+# Runs inside the sandbox (argv: wall-clock seconds, bytes of output read back, 1 to send the
+# files back, then the launcher's command line): runs the launcher (the limits, then the command),
+# waits for it and for every process it started (their subreaper), kills whatever still runs
+# `seconds` after the command's start, and writes its result (with 1, and unless killed at the
+# limit, the working directory's regular files: base64, mode) to stdout, which the command does
+# not hold.
 _KEEPER = r"""
 import base64, ctypes, json, os, signal, stat, subprocess, sys, threading, time
-seconds, output_bytes = float(sys.argv[1]), int(sys.argv[2])
+seconds, output_bytes, send_files = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 libc = ctypes.CDLL(None)
 if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0
     sys.exit("the keeper could not make itself non-dumpable")
 if libc.prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER: the command's orphans become the keeper's
     sys.exit("the keeper could not become the subreaper of the command's processes")
 started = time.monotonic()
-command = subprocess.Popen(sys.argv[3:], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+command = subprocess.Popen(sys.argv[4:], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 outputs = {}
 def read(name, stream):
     outputs[name] = stream.read(output_bytes)
@@ -120,8 +120,10 @@ except ProcessLookupError:  # none left
     pass
 for reader in readers:
     reader.join()
-if returncode is None:
-    json.dump({"returncode": None}, sys.stdout)
+result = {"stdout": outputs["stdout"].decode(errors="replace"), "stderr": outputs["stderr"].decode(errors="replace"),
+          "returncode": returncode, "seconds": ran, "files": None}
+if returncode is None or not send_files:
+    json.dump(result, sys.stdout)
     sys.exit()
 def readable(path, info, bits):  # the command's chmod must not hide its own files from the keeper
     if stat.S_IMODE(info.st_mode) & bits != bits:
@@ -140,8 +142,7 @@ for directory, subdirectories, names in os.walk("/work"):
             readable(path, info, 0o400)
             with open(path, "rb") as f:
                 kept[os.path.relpath(path, "/work")] = [base64.b64encode(f.read()).decode(), stat.S_IMODE(info.st_mode)]
-json.dump({"stdout": outputs["stdout"].decode(errors="replace"), "stderr": outputs["stderr"].decode(errors="replace"),
-           "returncode": returncode, "seconds": ran, "files": kept}, sys.stdout)
+json.dump({**result, "files": kept}, sys.stdout)
 """
 
 
@@ -208,39 +209,49 @@ bytes, or WorkFile (with its mode; text and bytes are 0644)."""
 
 def run(config: SandboxConfig, command: list[str], files: Files) -> Result:
     """`command` (an absolute path first) run in a fresh working directory holding `files`,
-    isolated as the module docstring says (merely limited when not `config.isolated`)."""
+    isolated as the module docstring says (merely limited when not `config.isolated`). A command
+    killed at the time limit returns what it had written by then."""
+    if config.isolated:
+        return _run_kept(config, command, files, send_files=False)[0]
     with _sandbox_inputs(files) as (inputs, out, err):
-        if config.isolated:
-            returncode = _run_isolated(config, _launcher(config, command), inputs, out, err, config.seconds)
-        else:
-            returncode = _run_unisolated(config, _launcher(config, command), inputs, out, err)
+        returncode = _run_unisolated(config, _launcher(config, command), inputs, out, err)
         return Result(_read(out, config.output_bytes), _read(err, config.output_bytes), returncode)
 
 
 def run_keeping_files(config: SandboxConfig, command: list[str], files: Files) -> tuple[Result, dict | None]:
     """`command` run as `run` does, and the working directory's regular files after it (path ->
     WorkFile; symbolic links and empty directories are not kept), or None when it sent none back
-    (killed at the time limit, or it killed the keeper): the caller's files then stand. Isolated
-    only: without the namespaces the keeper could not tell the command's processes from the
-    user's, nor keep the command from forging its answer."""
+    (killed at the time limit, with no output: what it had written by then depends on timing;
+    or it killed the keeper): the caller's files then stand. Isolated only: without the
+    namespaces the keeper could not tell the command's processes from the user's, nor keep the
+    command from forging its answer."""
     if not config.isolated:
         raise ValueError("run_keeping_files: isolated only (a terminal has no unisolated mode)")
+    result, kept = _run_kept(config, command, files, send_files=True)
+    if result.returncode is None:
+        return Result("", "", None), None
+    return result, kept
+
+
+def _run_kept(config: SandboxConfig, command: list[str], files: Files, send_files: bool) -> tuple[Result, dict | None]:
+    """`command` under the keeper: its result, and with `send_files` the working directory's
+    files (None when killed at the limit, or when the keeper sent no answer)."""
     keeper = [config.python, "-I", "-S", "-B", "-c", _KEEPER, str(config.seconds), str(config.output_bytes),
-              *_launcher(config, command)]
+              "1" if send_files else "0", *_launcher(config, command)]
     with _sandbox_inputs(files) as (inputs, out, err):
         # the keeper times the command from its start; the host's bound is for a keeper the
-        # command stopped (SIGSTOP), and leaves a busy host's sandbox start-up out of the limit
+        # command stopped, and leaves a busy host's sandbox start-up out of the limit
         returncode = _run_isolated(config, keeper, inputs, out, err, config.seconds + KEEPER_START_SECONDS)
         out.seek(0)
         try:  # at most the working directory, base64, and the outputs
             kept = json.loads(out.read((config.disk_mb << 21) + 4 * config.output_bytes + (1 << 20)))
         except ValueError:
             kept = None
-        if returncode == 0 and isinstance(kept, dict) and kept.get("returncode", 0) is None:
-            return Result("", "", None), None
         if returncode != 0 or not isinstance(kept, dict):
             return Result("", _read(err, config.output_bytes), returncode), None
     result = Result(kept["stdout"], kept["stderr"], kept["returncode"], kept["seconds"])
+    if kept["files"] is None:
+        return result, None
     return result, {path: WorkFile(base64.b64decode(data), mode) for path, (data, mode) in kept["files"].items()}
 
 

@@ -16,7 +16,7 @@ import pytest
 from megatron_rl_bi.envs import sandbox
 from megatron_rl_bi.envs.code import code_environment, run_python
 
-from ..sandbox_fixtures import run_outside, sandbox_python
+from ..sandbox_fixtures import run_outside, sandbox_python, slow_bubblewrap  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +169,9 @@ def test_other_processes_cannot_be_signalled(python):
                "    try:\n        os.kill(pid, sig)\n        print('sent')\n"
                "    except OSError as exc:\n        print(type(exc).__name__)\nprint(os.getppid())")
     try:
-        # the host's pids do not exist in its namespace; its parent is bubblewrap's init there
-        assert inside(python, program).split() == ["ProcessLookupError", "ProcessLookupError", "1"]
+        # the host's pids do not exist in its namespace; its parent is the keeper, the second
+        # process there after bubblewrap's init
+        assert inside(python, program).split() == ["ProcessLookupError", "ProcessLookupError", "2"]
         time.sleep(0.2)
         assert target.poll() is None
         assert run_outside(program, python).split()[:2] == ["sent", "sent"]
@@ -217,12 +218,13 @@ def test_a_memory_bomb_fails(python):
 
 
 def test_output_is_bounded(python):
-    program = ("import sys\nfor _ in range(64):\n    sys.stdout.write('x' * (1 << 20))\n"
-               "print('all 64 MiB written', file=sys.stderr)")
-    assert run_outside(program, python).endswith("all 64 MiB written\n")
+    program = ("import sys\nfor _ in range(64):\n    sys.stdout.write('x' * (1 << 20))\nsys.stdout.flush()\n"
+               "try:\n    open('big', 'wb').write(b'x' * (32 << 20))\nexcept OSError as exc:\n"
+               "    print(exc.strerror, file=sys.stderr)\nprint('all 64 MiB written', file=sys.stderr)")
+    assert run_outside(program, python).endswith("x" * 100 + "all 64 MiB written\n")
     result = sandbox.run(config(python), [python, "-I", "main.py"], {"main.py": program})
     assert set(result.stdout) == {"x"} and len(result.stdout) == 8192  # read back: output_bytes
-    assert "File too large" in result.stderr and "written" not in result.stderr  # RLIMIT_FSIZE: 16 MiB
+    assert result.stderr == "File too large\nall 64 MiB written\n"  # RLIMIT_FSIZE: a file of 16 MiB
 
 
 def test_the_working_directory_is_bounded(python):
@@ -231,6 +233,7 @@ def test_the_working_directory_is_bounded(python):
 
 
 def test_no_child_outlives_the_program(python):
+    """A daemon the program left is waited for, as any child, and killed at the limit."""
     tag = uuid.uuid4().hex
     program = (f"import os, sys\nif os.fork() == 0:\n    os.setsid()\n"
                f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(30)', {tag!r}])\n"
@@ -242,9 +245,24 @@ def test_no_child_outlives_the_program(python):
     finally:
         for pid in processes_with(tag):
             os.kill(pid, signal.SIGKILL)
-    assert inside(python, program) == "parent exits\n"
+    assert inside(python, program, seconds=1) == "parent exits\n\n(killed after 1 s)"
     time.sleep(0.3)
     assert processes_with(tag) == []
+
+
+def test_a_programs_children_finish_before_its_output_is_taken(python):
+    """What a program's children write after it exits is part of its output, every time: were
+    they killed at its exit, the output would depend on whether they had run by then."""
+    program = ("import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(0.3)\n"
+               "    print('child', flush=True)\n    sys.exit()\nprint('parent', flush=True)")
+    assert inside(python, program) == "parent\nchild\n"
+
+
+def test_the_limit_counts_from_the_programs_start_not_the_sandboxs(python, slow_bubblewrap):
+    """A loaded host's sandbox start-up (here 4 s, past the 3 s limit) kills no program."""
+    started = time.monotonic()
+    assert inside(python, "print('ran')", seconds=3) == "ran\n"
+    assert time.monotonic() - started > 4
 
 
 def test_a_program_past_its_time_limit_is_killed_with_its_children(python):

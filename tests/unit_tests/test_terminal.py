@@ -7,10 +7,8 @@ shipped task's solution passes its test where doing nothing fails."""
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 
@@ -22,7 +20,7 @@ from megatron_rl_bi.envs.tasks import TerminalTasks, build_task
 from megatron_rl_bi.envs.terminal import read_tasks, terminal_environment
 from megatron_rl_bi.rl import conversations
 
-from ..sandbox_fixtures import sandbox_python
+from ..sandbox_fixtures import sandbox_python, slow_bubblewrap  # noqa: F401 (a fixture)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "examples" / "tasks" / "terminal_tiny.jsonl"
@@ -85,20 +83,6 @@ def test_a_command_killed_at_its_limit_leaves_the_files_as_they_were(environment
     assert "(killed: the command's limit of 3 s; the files are as they were)" in output
     assert (reward, done) == (0.0, False)
     assert bash(env, "cat f")[0] == "\n<output>before\n</output>\n"
-
-
-@pytest.fixture
-def slow_bubblewrap(monkeypatch):
-    """bubblewrap started 4 s late, past the commands' 3 s limit (a loaded host's start-up)."""
-    directory = tempfile.mkdtemp(prefix="slow_bwrap_")
-    os.chmod(directory, 0o755)  # the sandbox's host side runs as uid 65534 under root
-    script = os.path.join(directory, "bwrap")
-    with open(script, "w") as f:
-        f.write(f'#!/bin/sh\nsleep 4\nexec {shutil.which(sandbox.BUBBLEWRAP)} "$@"\n')
-    os.chmod(script, 0o755)
-    monkeypatch.setattr(sandbox, "BUBBLEWRAP", script)
-    yield
-    shutil.rmtree(directory)
 
 
 def test_a_slow_sandbox_start_up_kills_no_command_and_fails_no_test(environment, tmp_path, slow_bubblewrap):
