@@ -4,6 +4,7 @@ and optimizer, its engine, the requests, a packed trainer batch, and the RL upda
 import argparse
 import gc
 import json
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -131,7 +132,11 @@ def run_in_both_modes(extra_args_provider, measure: Callable) -> tuple[argparse.
     # Qwen3-4B's size the second mode's engine found 97 GiB still held and ran out of memory.
     gc.collect()
     torch.cuda.empty_cache()
-    print(f"between the modes: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated", flush=True)
+    held = torch.cuda.memory_allocated()
+    print(f"between the modes: {held / 2**30:.2f} GiB still allocated", flush=True)
+    if held > 2**30:  # what keeps the first mode alive (a MoE model held 25 GiB here on an H100)
+        for tensor in largest_live_tensors("cuda", 8):
+            print(f"  still alive: {json.dumps(tensor)}", flush=True)
     results[second], _ = measure(args, second, weights)
     print_numbers(second, results[second])
     torch.distributed.destroy_process_group()
@@ -139,6 +144,40 @@ def run_in_both_modes(extra_args_provider, measure: Callable) -> tuple[argparse.
               if k.startswith(("bench_", "hidden", "num_layers", "num_attention", "num_query", "ffn",
                                "hybrid", "cuda_graph", "inference_cuda_graph"))}
     return args, {**provenance(), "config": config, "bi": results[True], "default": results[False]}
+
+
+def largest_live_tensors(device_type: str, count: int) -> list[dict]:
+    """The `count` largest storages of live tensors on `device_type`, each with a tensor's shape
+    and dtype and the types of what holds it (through a dict: what holds the dict): where memory
+    that should have been freed is kept. Memory that no Python tensor holds
+    (a CUDA graph's pool, C++ buffers) is not among them."""
+    storages = {}  # storage address -> (bytes, its largest tensor: a view's base, not the view)
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == device_type:
+            address = obj.untyped_storage().data_ptr()
+            seen = storages.get(address)
+            if seen is None or obj.numel() > seen[1].numel():
+                storages[address] = (obj.untyped_storage().nbytes(), obj)
+    largest = sorted(storages.values(), key=lambda entry: entry[0], reverse=True)[:count]
+    return [{"gib": nbytes / 2**30, "shape": list(tensor.shape), "dtype": str(tensor.dtype),
+             "held_by": _holders(tensor, storages)} for nbytes, tensor in largest]
+
+
+def _holders(tensor: torch.Tensor, own: dict) -> list[str]:
+    own_ids = {id(entry) for entry in own.values()}  # this search's own references
+    referrers = gc.get_referrers(tensor)
+    names = set()
+    for referrer in referrers:
+        if id(referrer) in own_ids or isinstance(referrer, types.FrameType):
+            continue
+        if not isinstance(referrer, dict):
+            names.add(type(referrer).__name__)
+            continue
+        # a dict (a module's `_parameters`, an object's attributes) is named by what holds it
+        owners = {type(o).__name__ for o in gc.get_referrers(referrer)
+                  if o is not referrers and not isinstance(o, types.FrameType)}
+        names.update(owners or {"dict"})
+    return sorted(names)
 
 
 def print_numbers(batch_invariant: bool, result: dict) -> None:
