@@ -280,6 +280,20 @@ def test_a_program_past_its_time_limit_is_killed_with_its_children(python):
     assert processes_with(tag) == []
 
 
+def test_a_program_that_kills_its_keeper_ends_there(python):
+    program = "import os, signal\nprint('before', flush=True)\nos.kill(os.getppid(), signal.SIGKILL)\nprint('after')"
+    assert inside(python, program) == "\n(killed by signal 9: a limit)"
+    assert inside(python, "print('next')") == "next\n"
+
+
+def test_a_program_that_stops_its_keeper_is_killed_at_the_hosts_bound(python, monkeypatch):
+    monkeypatch.setattr(sandbox, "KEEPER_START_SECONDS", 1.0)
+    started = time.monotonic()
+    output = inside(python, "import os, signal, time\nos.kill(os.getppid(), signal.SIGSTOP)\ntime.sleep(30)", seconds=2)
+    assert 2 < time.monotonic() - started < 7
+    assert output == "\n(killed after 2 s)"
+
+
 def test_the_limits_hold_inside(python):
     program = ("import resource\nprint([resource.getrlimit(getattr(resource, 'RLIMIT_' + name)) for name in "
                "('CPU', 'AS', 'FSIZE', 'NOFILE', 'NPROC', 'CORE')])")
