@@ -198,8 +198,9 @@ class Result:
     returncode: int | None
     """The command's exit status (minus the signal that killed it); None: killed at the time limit."""
     seconds: float | None = None
-    """run_keeping_files: how long the command ran, from its start inside the sandbox to its exit
-    (not the sandbox's start-up, which a busy host stretches); None when it sent nothing back."""
+    """How long the command ran, from its start inside the sandbox to the end of its last process
+    (not the sandbox's start-up, which a busy host stretches); None when it sent nothing back, or
+    run unisolated."""
 
 
 Files = dict[str, "str | bytes | WorkFile"]
