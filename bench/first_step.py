@@ -29,7 +29,7 @@ from megatron_rl_bi.reporting.provenance import provenance  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE_VARIABLES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUTE_DSL_CACHE_DIR", "CUDA_CACHE_PATH",
                    "XDG_CACHE_HOME", "TMPDIR")
-PHASES = ("time/step_s", "time/generation_s", "time/training_s")
+PHASES = ("time/step_s", "time/generation_s", "time/training_s", "time/optimizer_s")
 POLL_SECONDS = 0.2
 
 
@@ -80,9 +80,10 @@ def ratios(fresh: dict, warm: dict) -> dict:
            "first_record_fresh_over_warm": fresh["first_record_s"] / warm["first_record_s"]}
     for name, run in (("fresh", fresh), ("warm", warm)):
         if run["later_steps_median"]:
-            for phase in PHASES:
+            for phase in PHASES:  # None where the later steps took no time (no optimizer step)
+                later = run["later_steps_median"][phase]
                 out[f"{name}_first_over_later_{phase.removeprefix('time/')}"] = (
-                    run["first_step"][phase] / run["later_steps_median"][phase])
+                    run["first_step"][phase] / later if later else None)
     return out
 
 

@@ -9,6 +9,7 @@ ratio is 1 and only the advantage (and TIS weight) matter.
 """
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -179,7 +180,8 @@ def train_on_rollouts(
     """Updates the model; returns global metrics (parity, loss, clip, grad norm, the optimizer
     steps taken, the micro-batches trained on all ranks, the fraction of mini-batches skipped for
     having no completion token on any rank: e.g. dynamic sampling kept no group, or fewer
-    rollouts than --grpo-iterations).
+    rollouts than --grpo-iterations), and this rank's seconds in the optimizer's steps
+    (`time/optimizer_s`).
     `lr_scheduler` (megatron-core's OptimizerParamScheduler) steps once per optimizer update;
     `weight_version` (the model's optimizer steps so far) tells rollouts of older weights apart;
     those whose weights are `kept` are also recomputed under them (`bit_wise_versioned/*`)."""
@@ -188,7 +190,8 @@ def train_on_rollouts(
     counts = _global_counts(minibatches, config.micro_batch_tokens)
     compared = _Compared(weight_version)
     if (counts[:, 0] == 0).all():  # nothing to learn from this step
-        return {"update_skipped": 1.0, "optimizer_steps": 0, **all_reduce_metrics(compared.terms())}
+        return {"update_skipped": 1.0, "optimizer_steps": 0, "time/optimizer_s": 0.0,
+                **all_reduce_metrics(compared.terms())}
     # before any update: the recompute compares against the weights as they are now
     versioned = _versioned_terms(ddp, rollouts, kept, weight_version, config) if kept is not None else MetricTerms()
     ddp.train()
@@ -196,7 +199,7 @@ def train_on_rollouts(
     if num_updates > 1:
         old = _old_logprobs(ddp, rollouts, config.micro_batch_tokens, config.temperature, compared)
     no_tis = dataclasses.replace(config.loss, tis_cap=None) if config.loss.tis_cap is not None else None
-    loss_terms, grad_norm, steps = MetricTerms(), 0.0, 0
+    loss_terms, grad_norm, steps, optimizer_s = MetricTerms(), 0.0, 0, 0.0
     for update, minibatch in enumerate(minibatches):
         if counts[update, 0] == 0:
             continue
@@ -213,11 +216,21 @@ def train_on_rollouts(
             loss_terms.sums[name] = loss_terms.sums.get(name, 0.0) + value / counts[update, 3].item() / num_updates
         ddp.finish_grad_sync()
         lr = optimizer.param_groups[0]["lr"]
+        optimizer_start = _synchronized_time()
         _, norm, _ = optimizer.step()
+        optimizer_s += _synchronized_time() - optimizer_start
         grad_norm += (0.0 if norm is None else float(norm)) / num_updates  # a tensor with TE
         steps += 1
         if lr_scheduler is not None:
             lr_scheduler.step(increment=1)
     result = all_reduce_metrics(loss_terms.update(compared.terms()).update(versioned))
     return {**result, "grad_norm": grad_norm, "update_skipped": 1.0 - steps / num_updates,
-            "optimizer_steps": steps, "lr": float(lr)}
+            "optimizer_steps": steps, "lr": float(lr), "time/optimizer_s": optimizer_s}
+
+
+def _synchronized_time() -> float:
+    """The time once the GPU's queued work is done: the optimizer's own time, apart from the
+    backward before it (a first step's state allocation, the CPU optimizer's copies)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()

@@ -11,20 +11,23 @@ first_step = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(first_step)
 
 
-def _run(wall, first_record, step, generation, training, later):
+def _run(wall, first_record, step, generation, training, optimizer, later):
     return {"wall_s": wall, "first_record_s": first_record,
-            "first_step": {"time/step_s": step, "time/generation_s": generation, "time/training_s": training},
+            "first_step": {"time/step_s": step, "time/generation_s": generation, "time/training_s": training,
+                           "time/optimizer_s": optimizer},
             "later_steps_median": later}
 
 
 def test_ratios_by_hand():
-    later = {"time/step_s": 10.0, "time/generation_s": 4.0, "time/training_s": 5.0}
-    fresh = _run(300.0, 200.0, 170.0, 39.0, 131.0, later)
-    warm = _run(100.0, 40.0, 20.0, 8.0, 10.0, None)
+    later = {"time/step_s": 10.0, "time/generation_s": 4.0, "time/training_s": 5.0, "time/optimizer_s": 0.5}
+    fresh = _run(300.0, 200.0, 170.0, 39.0, 131.0, 2.0, later)
+    warm = _run(100.0, 40.0, 20.0, 8.0, 10.0, 0.5, {**later, "time/optimizer_s": 0.0})
     assert first_step.ratios(fresh, warm) == {
         "wall_fresh_over_warm": 3.0, "first_record_fresh_over_warm": 5.0,
         "fresh_first_over_later_step_s": 17.0, "fresh_first_over_later_generation_s": 9.75,
-        "fresh_first_over_later_training_s": 26.2}
+        "fresh_first_over_later_training_s": 26.2, "fresh_first_over_later_optimizer_s": 4.0,
+        "warm_first_over_later_step_s": 2.0, "warm_first_over_later_generation_s": 2.0,
+        "warm_first_over_later_training_s": 2.0, "warm_first_over_later_optimizer_s": None}
 
 
 def test_every_cache_lives_under_the_rounds_directory(tmp_path):

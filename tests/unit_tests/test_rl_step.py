@@ -4,6 +4,7 @@ parity over engine-reported positions, the loss against a hand-computed value, t
 path of several updates, the TIS shadow loss, and the skipped step."""
 
 import json
+import time
 import types
 
 import pytest
@@ -14,6 +15,7 @@ from megatron_rl_bi.models.logprobs import forward_logprobs
 from megatron_rl_bi.packing import pack_completions, unpack_token_values
 from megatron_rl_bi.rl.losses import LossConfig
 from megatron_rl_bi.rl.rollouts import Rollout
+from megatron_rl_bi.rl import step
 from megatron_rl_bi.rl.step import StepConfig, train_on_rollouts
 
 VOCAB = 11
@@ -150,6 +152,29 @@ def test_an_empty_mini_batch_is_skipped_not_fatal(one_rank):
     metrics = train_on_rollouts(model, SGD(model), rollouts, StepConfig(updates_per_step=2))
     assert metrics["optimizer_steps"] == 1 and metrics["update_skipped"] == 0.5
     assert metrics["bit_wise/tokens"] == 2
+
+
+class SlowSGD(SGD):
+    def step(self):
+        time.sleep(0.2)
+        return super().step()
+
+
+def test_the_optimizers_own_time_is_recorded(one_rank, monkeypatch):
+    """Two updates whose optimizer steps take 0.2 s each and whose micro-batches 0.3 s each: the
+    record holds the first, not the second."""
+    micro_batch_loss = step._micro_batch_loss
+
+    def slow_micro_batch_loss(*args, **kwargs):
+        time.sleep(0.3)
+        return micro_batch_loss(*args, **kwargs)
+
+    monkeypatch.setattr(step, "_micro_batch_loss", slow_micro_batch_loss)
+    model = TinyDDP()
+    metrics = train_on_rollouts(model, SlowSGD(model), _rollouts(model, advantages=[1.0, -1.0]),
+                                StepConfig(updates_per_step=2))
+    assert metrics["optimizer_steps"] == 2 and 0.4 <= metrics["time/optimizer_s"] < 0.6
+    assert train_on_rollouts(model, SlowSGD(model), [], StepConfig())["time/optimizer_s"] == 0.0
 
 
 def test_the_lr_schedule_steps_once_per_update(one_rank):
