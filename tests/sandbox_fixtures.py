@@ -1,7 +1,6 @@
 """The sandbox's test fixtures: bubblewrap installed where the machine lacks it (as CI's clean
 machines do: the project installs it, never a person by hand), a Python the sandbox can run,
-and the same program run outside the sandbox, for the escape tests' controls; a sandbox start-up
-slowed past a limit, as a loaded host's."""
+and the same program run outside the sandbox, for the escape tests' controls."""
 
 import os
 import shutil
@@ -67,16 +66,3 @@ def run_outside(program: str, python: str, seconds: float = 10.0) -> str:
             err.seek(0)
             return (out.read(1 << 20) + err.read(1 << 20)).decode(errors="replace")
 
-
-@pytest.fixture
-def slow_bubblewrap(monkeypatch):
-    """bubblewrap started 4 s late, past a 3 s limit (a loaded host's start-up)."""
-    directory = tempfile.mkdtemp(prefix="slow_bwrap_")
-    os.chmod(directory, 0o755)  # the sandbox's host side runs as uid 65534 under root
-    script = os.path.join(directory, "bwrap")
-    with open(script, "w") as f:
-        f.write(f'#!/bin/sh\nsleep 4\nexec {shutil.which(sandbox.BUBBLEWRAP)} "$@"\n')
-    os.chmod(script, 0o755)
-    monkeypatch.setattr(sandbox, "BUBBLEWRAP", script)
-    yield
-    shutil.rmtree(directory)

@@ -1,10 +1,14 @@
 import contextlib
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron_rl_bi.distributed import free_port  # noqa: F401 - the tests take it from here
+from megatron_rl_bi.envs import sandbox
 
 
 class ScriptedGenerator:
@@ -113,3 +117,17 @@ def cpu_forward(cpu_training, single_config_autotune, monkeypatch):
     monkeypatch.setattr(flash, "flash_varlen_function", lambda version: torch_varlen_attention)
     monkeypatch.setattr(SwitchedGatedDeltaNet, "_recurrent", staticmethod(lambda decode_only: True))
     yield cpu_training
+
+
+@pytest.fixture
+def slow_bubblewrap(monkeypatch):
+    """bubblewrap started 4 s late, past a 3 s limit (a loaded host's start-up)."""
+    directory = tempfile.mkdtemp(prefix="slow_bwrap_")
+    os.chmod(directory, 0o755)  # the sandbox's host side runs as uid 65534 under root
+    script = os.path.join(directory, "bwrap")
+    with open(script, "w") as f:
+        f.write(f'#!/bin/sh\nsleep 4\nexec {shutil.which(sandbox.BUBBLEWRAP)} "$@"\n')
+    os.chmod(script, 0o755)
+    monkeypatch.setattr(sandbox, "BUBBLEWRAP", script)
+    yield
+    shutil.rmtree(directory)

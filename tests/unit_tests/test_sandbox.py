@@ -16,7 +16,7 @@ import pytest
 from megatron_rl_bi.envs import sandbox
 from megatron_rl_bi.envs.code import code_environment, run_python
 
-from ..sandbox_fixtures import run_outside, sandbox_python, slow_bubblewrap  # noqa: F401 (a fixture)
+from ..sandbox_fixtures import run_outside, sandbox_python
 
 
 @pytest.fixture(scope="module")

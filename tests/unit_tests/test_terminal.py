@@ -20,7 +20,7 @@ from megatron_rl_bi.envs.tasks import TerminalTasks, build_task
 from megatron_rl_bi.envs.terminal import read_tasks, terminal_environment
 from megatron_rl_bi.rl import conversations
 
-from ..sandbox_fixtures import sandbox_python, slow_bubblewrap  # noqa: F401 (a fixture)
+from ..sandbox_fixtures import sandbox_python
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "examples" / "tasks" / "terminal_tiny.jsonl"
