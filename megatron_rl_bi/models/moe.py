@@ -199,8 +199,8 @@ class BatchInvariantExperts(SequentialMLP):
     def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
         if not self._grouped(rows):
             return super().forward(rows, tokens_per_expert, probs)
-        expert = self.local_experts[0]
-        linears = [_GroupedLinear(table(weights), weights[0].shape, tokens_per_expert.to(rows.device))
+        expert, rows_per_expert = self.local_experts[0], tokens_per_expert.to(rows.device)
+        linears = [_GroupedLinear(table(weights), weights[0].shape, rows_per_expert)
                    for table, weights in zip(self._tables, self._linear_weights())]
         # megatron-core's own expert forward, its activation and scaling the same code on all rows
         every_expert = SimpleNamespace(config=expert.config, activation_func=expert.activation_func,
