@@ -10,6 +10,7 @@ checked without a GPU (flags, recipe, tokenizer, dataset lines) is checked befor
 
 import argparse
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass
 
@@ -44,8 +45,11 @@ from megatron_rl_bi.launch import launch_check, report_to_torchrun
 from megatron_rl_bi.memory import (
     GIB,
     format_plan,
+    host_memory_problem,
+    host_optimizer_bytes,
     kv_cache_bytes,
     kv_cache_problem,
+    node_memory_bytes,
     optimizer_growth_before_generation,
     parameter_count,
     plan_memory,
@@ -184,10 +188,11 @@ def read_inputs(argv: list[str] | None) -> RunInputs:
         check_hf_weights(hf_model)
     vocab_size = model_vocab_size(args, tokenizer)
     check_kv_cache(args, engine_config, vocab_size)
+    roles = roles_from_environment(args.rl_generator_ranks)
+    check_host_memory(args, vocab_size, roles)
     rollout_config = rollout_config_from_args(args, task)
     if rollout_config.environment:
         build_tool_format(args.rl_tool_format, tokenizer, rollout_config.environment)
-    roles = roles_from_environment(args.rl_generator_ranks)
     return RunInputs(args, tokenizer, vocab_size, engine_config, rollout_config, task, eval_examples, hf_model,
                      roles, argv, kernel_problem)
 
@@ -200,6 +205,17 @@ def check_kv_cache(args: argparse.Namespace, config: EngineConfig, vocab_size: i
         if problem := kv_cache_problem(run.model, engine_shape(config),
                                        f"--inference-dynamic-batching-buffer-size-gb {config.buffer_size_gb}"):
             raise ValueError(problem)
+
+
+def check_host_memory(args: argparse.Namespace, vocab_size: int, roles: Roles) -> None:
+    """This node's training processes' optimizers must fit its memory (--optimizer-cpu-offload
+    keeps 16 bytes a parameter there): found now, not by the kernel's OOM killer after the model
+    is built and a step has run."""
+    run = memory_run_from_args(args, vocab_size, roles.trainers, 0)
+    host = host_optimizer_bytes(parameter_count(run.model), run.model, levers_from_args(args), run.data_parallel)
+    processes = roles.trainers_on_node(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get("GROUP_RANK", 0)))
+    if problem := host_memory_problem(host, processes, node_memory_bytes(), args.use_distributed_optimizer):
+        raise ValueError(problem)
 
 
 def start_processes(inputs: RunInputs) -> Bridge | None:

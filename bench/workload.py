@@ -147,28 +147,37 @@ def run_in_both_modes(extra_args_provider, measure: Callable) -> tuple[argparse.
 
 
 def largest_live_tensors(device_type: str, count: int) -> list[dict]:
-    """The `count` largest storages of live tensors on `device_type`, each with a tensor's shape
-    and dtype and the types of what holds it (through a dict: what holds the dict): where memory
-    that should have been freed is kept. Memory that no Python tensor holds
-    (a CUDA graph's pool, C++ buffers) is not among them."""
-    storages = {}  # storage address -> (bytes, its largest tensor: a view's base, not the view)
+    """The `count` largest storages of live tensors on `device_type`, each with its largest
+    tensor's shape and dtype and the types of what holds any tensor of it (through a dict: what
+    holds the dict): where memory that should have been freed is kept. A buffer whose own tensor
+    only C++ holds (a view's base: megatron-core's gradient buffer under each parameter's
+    `main_grad`) is named by its views' holders. Memory that no Python tensor holds (a CUDA
+    graph's pool, C++ buffers) is not among them."""
+    storages = {}  # storage address -> [bytes, its largest tensor (a view's base, not the view), its tensors]
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.Tensor) and obj.device.type == device_type:
-            address = obj.untyped_storage().data_ptr()
-            seen = storages.get(address)
-            if seen is None or obj.numel() > seen[1].numel():
-                storages[address] = (obj.untyped_storage().nbytes(), obj)
+            entry = storages.setdefault(obj.untyped_storage().data_ptr(), [obj.untyped_storage().nbytes(), obj, []])
+            entry[2].append(obj)
+            if obj.numel() > entry[1].numel():
+                entry[1] = obj
     largest = sorted(storages.values(), key=lambda entry: entry[0], reverse=True)[:count]
-    return [{"gib": nbytes / 2**30, "shape": list(tensor.shape), "dtype": str(tensor.dtype),
-             "held_by": _holders(tensor, storages)} for nbytes, tensor in largest]
+    own = {id(entry) for entry in storages.values()} | {id(entry[2]) for entry in storages.values()}  # the search's
+    rows = []
+    for nbytes, tensor, tensors in largest:
+        holders = set()
+        for view in tensors:
+            holders |= _holders(view, own)
+        rows.append({"gib": nbytes / 2**30, "shape": list(tensor.shape), "dtype": str(tensor.dtype),
+                     "held_by": sorted(holders)})
+    return rows
 
 
-def _holders(tensor: torch.Tensor, own: dict) -> list[str]:
-    own_ids = {id(entry) for entry in own.values()}  # this search's own references
+def _holders(tensor: torch.Tensor, own: set[int]) -> set[str]:
+    """The types of what holds `tensor`, but the objects of ids `own` (the search's)."""
     referrers = gc.get_referrers(tensor)
     names = set()
     for referrer in referrers:
-        if id(referrer) in own_ids or isinstance(referrer, types.FrameType):
+        if id(referrer) in own or isinstance(referrer, types.FrameType):
             continue
         if not isinstance(referrer, dict):
             names.add(type(referrer).__name__)
@@ -177,7 +186,7 @@ def _holders(tensor: torch.Tensor, own: dict) -> list[str]:
         owners = {type(o).__name__ for o in gc.get_referrers(referrer)
                   if o is not referrers and not isinstance(o, types.FrameType)}
         names.update(owners or {"dict"})
-    return sorted(names)
+    return names
 
 
 def print_numbers(batch_invariant: bool, result: dict) -> None:

@@ -32,6 +32,12 @@ class Roles:
     def trainers(self) -> int:
         return self.world_size - self.generators
 
+    def trainers_on_node(self, local_world_size: int, node_rank: int) -> int:
+        """The trainer processes of node `node_rank` (torchrun's GROUP_RANK), each node running
+        `local_world_size` consecutive ranks."""
+        first = node_rank * local_world_size
+        return max(0, min(self.trainers, first + local_world_size) - first)
+
     @property
     def is_generator(self) -> bool:
         return self.rank >= self.trainers

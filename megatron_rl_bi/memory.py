@@ -11,12 +11,16 @@ tensors their backward keeps (`activation_bytes_per_token`).
 """
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 
 GIB = 2**30
 ADAM_MOMENTS_BYTES = 8  # exp_avg and exp_avg_sq, fp32
 MAIN_PARAM_BYTES = 4  # the optimizer's fp32 copy of a bf16/fp16 weight
 GRAD_BYTES = 4  # megatron-core DDP's fp32 main_grad buffer
+# --optimizer-cpu-offload: megatron-core's HybridDeviceOptimizer copies each gradient to a host
+# tensor of the main weight's dtype (page-locked by default) before its CPU step
+HOST_GRAD_BYTES = 4
 # Rows of logits the trainer's LM head computes at once: a [rows, vocab] chunk stays under this
 # many elements (models.logprobs).
 LOGITS_CHUNK_ELEMENTS = 2**27
@@ -330,8 +334,8 @@ class MemoryPlan:
     generation_waves: int = 0
     """Rounds of that many requests a step's generation takes (its decode time grows with them)."""
     host_optimizer_bytes: int = 0
-    """Optimizer state each GPU's process keeps in host memory at some point: all of it with
-    --optimizer-cpu-offload, its GPU state while generating with
+    """Host memory each GPU's process takes for its optimizer (host_optimizer_bytes):
+    with --optimizer-cpu-offload, or its GPU state while generating with
     --rl-offload-optimizer-during-inference."""
 
     def phase_bytes(self, phase: str) -> int:
@@ -383,11 +387,40 @@ def _state_items(shape: ModelShape, levers: Levers, data_parallel: int) -> list[
 
 
 def host_optimizer_bytes(params: int, shape: ModelShape, levers: Levers, data_parallel: int) -> int:
-    """The optimizer state a rank keeps in host memory: all of it on the CPU route, or what leaves
-    the GPU while the engine generates."""
+    """The host memory a rank's optimizer takes: on the CPU route its state and the host copy of
+    its gradients (torch's AdamW steps CPU tensors one at a time, so its temporaries are one
+    weight's); or the state that leaves the GPU while the engine generates."""
     if levers.optimizer_cpu_offload:
-        return optimizer_bytes(params, shape, replace(levers, optimizer_cpu_offload=False), data_parallel)
+        on_gpu = replace(levers, optimizer_cpu_offload=False)
+        return optimizer_bytes(params, shape, on_gpu, data_parallel) + _per_rank(params * HOST_GRAD_BYTES, levers,
+                                                                                 data_parallel)
     return optimizer_bytes(params, shape, levers, data_parallel) if levers.offload_optimizer_during_inference else 0
+
+
+def node_memory_bytes() -> int:
+    """This machine's memory, or its cgroup's limit where that is lower (a container's)."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+    except OSError:
+        return physical
+    return min(physical, int(limit)) if limit.isdigit() else physical
+
+
+def host_memory_problem(host_bytes: int, processes: int, machine_bytes: int, sharded: bool) -> str | None:
+    """Why `processes` ranks, each taking `host_bytes` of host memory for its optimizer (`sharded`
+    over them by the distributed optimizer, or not), cannot share a node of `machine_bytes`; None
+    when they fit."""
+    if host_bytes * processes <= machine_bytes:
+        return None
+    shard = ("shard it over more GPUs (it is 1/N a process with --use-distributed-optimizer)" if sharded else
+             "shard it over the GPUs (--use-distributed-optimizer)")
+    return (f"the optimizer takes {host_bytes / GIB:.1f} GiB of host memory a training process (on the CPU "
+            f"route, --optimizer-cpu-offload: its state and the gradients' host copy), "
+            f"{host_bytes * processes / GIB:.1f} GiB for this node's {processes}; the node has "
+            f"{machine_bytes / GIB:.1f} GiB: {shard}, or keep it on the GPU while training "
+            "(--rl-offload-optimizer-during-inference instead)")
 
 
 def optimizer_growth_before_generation(params: int, shape: ModelShape, levers: Levers,
@@ -557,7 +590,7 @@ def format_plan(plan: MemoryPlan) -> str:
         rows.append(f"engine: the cache holds {plan.requests_at_once} requests of the longest length at once; "
                     f"a step's requests generate in {plan.generation_waves} wave(s)")
     if plan.host_optimizer_bytes:
-        rows.append(f"host: the optimizer state takes {plan.host_optimizer_bytes / GIB:.2f} GiB of CPU memory a GPU")
+        rows.append(f"host: the optimizer takes {plan.host_optimizer_bytes / GIB:.2f} GiB of CPU memory a GPU")
     fits = plan.peak_bytes <= plan.gpu_bytes
     rows.append(f"predicted peak {plan.peak_bytes / GIB:.2f} GiB of {plan.gpu_bytes / GIB:.1f} GiB: "
                 + ("fits" if fits else "does NOT fit"))

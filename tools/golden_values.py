@@ -3,9 +3,17 @@
   tests/functional_tests/test_cases/<model>/<case>/model_config.yaml
       ENV_VARS: {NPROC: 2, ...}          # NPROC: processes (GPUs); the rest: environment
       TEST_TYPE: regular | ckpt-resume   # ckpt-resume: stop half way, resume, compare the rest
+      REPLAY_ENVIRONMENT: true           # optional: the environment's answers played back
       MODEL_ARGS: {--recipe: ..., --train-iters: 20, --batch-invariant-mode: true, ...}
   .../golden_values_dev_h200.json
       {"<metric>": {"start_step": 1, "end_step": N, "step_interval": 1, "values": {"1": ...}}}
+  .../environment_dev_h200.jsonl.gz      # with REPLAY_ENVIRONMENT: the answers regenerate recorded
+
+A case whose environment does not answer the same twice (a terminal: concurrent processes write
+in the kernel's order) sets REPLAY_ENVIRONMENT: regenerate records its environment's answers
+(--rl-env-record) beside the golden values and check plays them back (--rl-env-replay), so the
+check covers the engine, the trainer and the conversations' plumbing bit for bit, and stops at
+the first turn that parts from the recording; the sandbox's own behaviour is the CPU tests'.
 
 Comparison: every metric of METRICS at every step of the case must be in the golden
 file and in the run (a missing one fails, named); the BI runs' loss, reward, gradient-norm and
@@ -41,6 +49,7 @@ from megatron_rl_bi.reporting.provenance import read_stamps  # noqa: E402
 
 CASES = os.path.join(REPO, "tests", "functional_tests", "test_cases")
 GOLDEN = "golden_values_dev_h200.json"
+RECORDING = "environment_dev_h200.jsonl.gz"
 EXACT = ("loss", "reward/task_mean", "reward/trained_mean", "grad_norm", "bit_wise/tokens",
          "bit_wise/logprob_diff/max", "bit_wise/logprob_diff/abs_mean",
          "bit_wise/ratio_tokens_different")
@@ -62,6 +71,11 @@ class Case:
     model_args: dict
     env_vars: dict
     test_type: str
+    replay_environment: bool = False
+
+    @property
+    def recording(self) -> str:
+        return os.path.join(self.path, RECORDING)
 
     @property
     def name(self) -> str:
@@ -91,7 +105,10 @@ def load_case(path: str) -> Case:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < (2 if test_type == "ckpt-resume" else 1):
         raise ValueError(f"{config_path}: MODEL_ARGS --train-iters {steps!r}: the case's step count is "
                          "needed (an integer >= 1, >= 2 for ckpt-resume)")
-    return Case(path, dict(config["MODEL_ARGS"]), dict(config.get("ENV_VARS") or {}), test_type)
+    replay = config.get("REPLAY_ENVIRONMENT", False)
+    if not isinstance(replay, bool):
+        raise ValueError(f"{config_path}: REPLAY_ENVIRONMENT {replay!r}: expected true or false")
+    return Case(path, dict(config["MODEL_ARGS"]), dict(config.get("ENV_VARS") or {}), test_type, replay)
 
 
 def all_cases() -> list[str]:
@@ -124,14 +141,19 @@ def _resumed_records(case: Case, segments: list[list[dict]]) -> dict[int, dict]:
     return {record["step"]: record for record in segments[1]}
 
 
-def run_case(case: Case, workdir: str, resume: bool) -> tuple[dict[int, dict], dict]:
+def run_case(case: Case, workdir: str, checking: bool) -> tuple[dict[int, dict], dict]:
     """The case's step records (at case_steps) and the run's provenance stamp. A ckpt-resume
-    case's golden values are of the uninterrupted run (`resume` False); checking it (`resume`
-    True) stops at N/2 and resumes in a second process with another seed."""
+    case's golden values are of the uninterrupted run; checking it stops at N/2 and resumes in a
+    second process with another seed. A REPLAY_ENVIRONMENT case records its environment's
+    answers to regenerate (the old recording removed), and plays them back to check."""
     metrics, checkpoints = os.path.join(workdir, "m.jsonl"), os.path.join(workdir, "ckpt")
     steps = int(case.model_args["--train-iters"])
     common = ["--rl-metrics-jsonl", metrics, "--save", checkpoints, "--save-interval", str(steps)]
-    if resume:
+    if case.replay_environment:
+        if not checking and os.path.exists(case.recording):
+            os.remove(case.recording)  # --rl-env-record appends
+        common += ["--rl-env-replay" if checking else "--rl-env-record", case.recording]
+    if checking and case.test_type == "ckpt-resume":
         _pretrain_rl(case, common + ["--exit-interval", str(steps // 2)])
         _pretrain_rl(case, common + ["--load", checkpoints, "--seed", str(RESUME_SEED)])
         records = _resumed_records(case, read_segments(metrics))
@@ -220,7 +242,11 @@ def _load_all(paths: list[str], mode: str) -> list[tuple[Case, dict | None]]:
             if not os.path.isfile(golden_path):
                 raise SystemExit(f"{golden_path}: missing; python tools/golden_values.py regenerate {path}")
             golden = read_object(golden_path)
-        loaded.append((load_case(path), golden))
+        case = load_case(path)
+        if mode == "check" and case.replay_environment and not os.path.isfile(case.recording):
+            raise SystemExit(f"{case.recording}: missing (REPLAY_ENVIRONMENT); python tools/golden_values.py "
+                             f"regenerate {path}")
+        loaded.append((case, golden))
     return loaded
 
 
@@ -246,9 +272,8 @@ def main() -> None:
         parser.error(str(exc))
     failed = False
     for case, golden in cases:
-        resume = args.mode == "check" and case.test_type == "ckpt-resume"
         try:
-            records, stamp = run_case(case, tempfile.mkdtemp(prefix="golden_"), resume)
+            records, stamp = run_case(case, tempfile.mkdtemp(prefix="golden_"), args.mode == "check")
             if args.mode == "regenerate":
                 print(f"{case.name}: wrote {regenerate(case, records, stamp)}")
                 continue

@@ -18,6 +18,8 @@ import json
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_rl_bi.config import parse_rl_args  # noqa: E402
@@ -35,10 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plan-gpus", type=int, default=1,
                         help="the trainers' data-parallel GPUs (TP = 1); with --rl-generator-ranks, a "
                              "generator process is planned besides")
-    parser.add_argument("--plan-gpu-memory-gib", type=float, default=H200_GIB,
-                        help="memory of one GPU, as torch reports it")
+    parser.add_argument("--plan-gpu-memory-gib", type=float, default=None,
+                        help="memory of one GPU, as torch reports it (default: this machine's GPU, "
+                             f"else an H200's {H200_GIB})")
     parser.add_argument("--plan-output", default=None, help="also write the plan as JSON")
     return parser
+
+
+def this_gpu_gib() -> float | None:
+    """The memory of this machine's first GPU, as torch reports it; None without one."""
+    return torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else None
 
 
 def vocab_size(args) -> int:
@@ -53,6 +61,8 @@ def main() -> None:
         parser.print_help()
         print("\nEvery other flag is pretrain_rl.py's: python pretrain_rl.py --help")
         return
+    if own.plan_gpu_memory_gib is None:
+        own.plan_gpu_memory_gib = this_gpu_gib() or H200_GIB
     try:
         if own.plan_gpus < 1 or own.plan_gpu_memory_gib <= 0:
             raise ValueError("--plan-gpus must be >= 1 and --plan-gpu-memory-gib > 0")

@@ -62,8 +62,8 @@ def rollout_config_from_args(args: argparse.Namespace, task=None) -> RolloutConf
                      if args.rl_env else None),
         turns=TurnConfig(max_turns=args.rl_max_turns, max_context_tokens=args.rl_max_context_tokens,
                          observation_tokens=args.rl_tool_output_tokens, env_timeout_s=args.rl_env_timeout,
-                         env_workers=args.rl_env_workers,
-                         tool_format=args.rl_tool_format),
+                         env_workers=args.rl_env_workers, tool_format=args.rl_tool_format,
+                         record=args.rl_env_record, replay=args.rl_env_replay),
     )
 
 

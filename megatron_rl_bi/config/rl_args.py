@@ -18,6 +18,7 @@ from megatron_rl_bi.checkpoints.hf.config import megatron_flags, read_hf_model
 from megatron_rl_bi.checkpoints.megatron import resolve_checkpoint_dir
 from megatron_rl_bi.config.hf_args import add_hf_args, checkpoint_flag_errors
 from megatron_rl_bi.config.megatron_args import build_parser, parse_args, raise_if_invalid
+from megatron_rl_bi.envs.recording import read_recording
 from megatron_rl_bi.inference.engine import PREFIX_CACHING_ON_HYBRID
 
 RL_DEFAULTS = dict(
@@ -177,7 +178,21 @@ def add_multi_turn_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--rl-env-workers", type=int, default=None, metavar="N",
                        help="environment calls run at once, on a pool of N threads; the others wait "
                        "their turn (default: 8 per CPU this process may use)")
+    add_env_recording_args(group)
     return parser
+
+
+def add_env_recording_args(group) -> None:
+    group.add_argument("--rl-env-record", default=None, metavar="FILE",
+                       help="write every answer of the environment (observations, rewards, failures, "
+                       "timeouts) to FILE (JSONL, appended; gzip when it ends in .gz), for "
+                       "--rl-env-replay")
+    group.add_argument("--rl-env-replay", default=None, metavar="FILE",
+                       help="call no environment in the conversations: play back the answers a "
+                       "--rl-env-record run wrote to FILE, to repeat that run bit for bit where its "
+                       "environment does not repeat itself (a terminal's concurrent processes, a rebuilt "
+                       "retrieval index); the run stops at the first model turn that differs from the "
+                       "recording's, naming it")
 
 
 def _scan(argv: list[str], flag: str) -> str | None:
@@ -418,16 +433,25 @@ def bound_errors(args: argparse.Namespace) -> list[str]:
 
 
 def input_path_errors(args: argparse.Namespace) -> list[str]:
-    """An error for each JSONL flag whose path is not a file (its lines are checked when read),
-    and for a --pretrained-checkpoint that is no checkpoint: found now, not after the model is
-    built on the GPU."""
+    """An error for each JSONL flag whose path is not a file (its lines are checked when read; a
+    recording to replay, now), for a --rl-env-record with nowhere to go, and for a
+    --pretrained-checkpoint that is no checkpoint: found now, not after the model is built on the
+    GPU."""
     errors = []
     for flag, path in (("--rl-dataset", args.rl_dataset), ("--rl-eval-dataset", args.rl_eval_dataset),
-                       ("--rl-search-corpus", args.rl_search_corpus)):
+                       ("--rl-search-corpus", args.rl_search_corpus), ("--rl-env-replay", args.rl_env_replay)):
         if path and os.path.isdir(path):
             errors.append(f"{flag} {path}: is a directory")
         elif path and not os.path.exists(path):
             errors.append(f"{flag} {path}: no such file")
+    if args.rl_env_replay and os.path.isfile(args.rl_env_replay):
+        try:
+            read_recording(args.rl_env_replay)
+        except (OSError, ValueError, EOFError) as exc:
+            errors.append(f"--rl-env-replay {exc}" if str(exc).startswith(args.rl_env_replay)
+                          else f"--rl-env-replay {args.rl_env_replay}: {exc}")
+    if args.rl_env_record and not os.path.isdir(os.path.dirname(os.path.abspath(args.rl_env_record))):
+        errors.append(f"--rl-env-record {args.rl_env_record}: its directory does not exist")
     if args.pretrained_checkpoint:
         try:
             resolve_checkpoint_dir(args.pretrained_checkpoint)
@@ -527,6 +551,11 @@ def multi_turn_errors(args: argparse.Namespace) -> list[str]:
                       f"got {args.rl_code_time_limit}")
     if not args.rl_env_timeout > 0:
         errors.append(f"--rl-env-timeout must be > 0 seconds, got {args.rl_env_timeout}")
+    if args.rl_env_record and args.rl_env_replay:
+        errors.append("--rl-env-record and --rl-env-replay exclude each other: a replayed run calls no environment")
+    for flag, path in (("--rl-env-record", args.rl_env_record), ("--rl-env-replay", args.rl_env_replay)):
+        if path and not args.rl_env:
+            errors.append(f"{flag} records the answers of --rl-env, which is not set")
     if args.rl_env_workers is not None and args.rl_env_workers < 1:
         errors.append(f"--rl-env-workers must be >= 1, got {args.rl_env_workers}")
     if args.rl_max_context_tokens is not None and not args.rl_max_context_tokens >= 2:

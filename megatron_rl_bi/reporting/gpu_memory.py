@@ -1,7 +1,9 @@
 """The GPU memory each phase of an RL step reached, for the step records, beside the memory
-plan's prediction of the same phases (megatron_rl_bi/memory.py)."""
+plan's prediction of the same phases (megatron_rl_bi/memory.py); and the process's host peak,
+beside the plan's host line."""
 
 import contextlib
+import resource
 
 import torch
 
@@ -17,12 +19,14 @@ class PeakMemory:
 
     @contextlib.contextmanager
     def phase(self, name: str, peaks: dict):
-        """Writes `memory/peak_<name>_gib` (this phase) and `memory/peak_allocated_gib` (the run
-        so far) into `peaks`."""
+        """Writes `memory/peak_<name>_gib` (this phase), `memory/peak_allocated_gib` (the run
+        so far) and `memory/peak_host_gib` (the process's largest resident set so far, pinned
+        buffers included) into `peaks`."""
         self._take()
         yield
         peaks[f"memory/peak_{name}_gib"] = self._take() / GIB
         peaks["memory/peak_allocated_gib"] = self.run_peak / GIB
+        peaks["memory/peak_host_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # KiB on Linux
 
     def _take(self) -> int:
         """The peak since the last call (bytes); the counter starts again from what is allocated."""

@@ -8,7 +8,8 @@ Each turn of every open conversation is one engine generation over the conversat
 engine prefills what it already computed in an earlier turn, or with prefix caching reuses the
 blocks an earlier turn prefilled: batch invariance makes those rows equal to the decode rows they
 repeat, so the logprobs of every sampled token are the ones the trainer recomputes). The
-environment's calls of a turn run together, each on its own thread.
+environment's calls of a turn run together on the pool (envs.environment), or are played back
+from a recording (envs.recording: --rl-env-replay).
 """
 
 import functools
@@ -17,7 +18,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from megatron_rl_bi.envs.environment import call_all
+from megatron_rl_bi.envs.recording import EnvironmentCalls
 from megatron_rl_bi.envs.tool_format import TagTurns, build_tool_format
 from megatron_rl_bi.inference import Generation, Generator, Sampling
 
@@ -38,6 +39,10 @@ class TurnConfig:
     tool_format: str = "tags"
     """How tool calls and answers are written: the environment's tags, or the chat template's
     tool calling (--rl-tool-format; envs.tool_format)."""
+    record: str | None = None
+    """Write the environment's answers to this file (--rl-env-record; envs.recording)."""
+    replay: str | None = None
+    """Play the environment's answers back from this recording, calling none (--rl-env-replay)."""
 
 
 @dataclass
@@ -46,6 +51,7 @@ class Conversation:
     sampled (with the engine's logprob) or written by the environment."""
 
     environment: object
+    """None when it failed to open, or when its answers are played back (--rl-env-replay)."""
     prompt_tokens: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -55,6 +61,8 @@ class Conversation:
     over: bool = False
     stopped_on_eod: bool = False
     problem: str | None = None
+    scored_when_cut: bool = False
+    """Its environment has `finish`, which scores it when the turn or context limit cuts it."""
 
     def add(self, tokens: list[int], logprobs: list[float] | None) -> None:
         """Sampled tokens with their logprobs, or (logprobs None) the environment's tokens."""
@@ -103,21 +111,24 @@ def run_conversations(generator: Generator, examples: list, environment: type, t
     conversations = [Conversation(None, turn_format.prompt(e.prompt)) for e in examples]
     context = min(config.max_context_tokens or generator.config.max_sequence_length,
                   generator.config.max_prompt_tokens)
-    opened = call_all([functools.partial(_open, environment, e, turn_format) for e in examples],
-                      config.env_timeout_s, config.env_workers)
+    calls = EnvironmentCalls(sampling.seed, config.env_timeout_s, config.env_workers, config.record, config.replay)
+    opened = calls("open", [e.prompt for e in examples],
+                   [functools.partial(_open, environment, e, turn_format) for e in examples],
+                   encode=lambda opened: opened[1:], decode=lambda opened: (None, *opened))
     for conversation, outcome in zip(conversations, opened):
         if outcome.problem:
             conversation.end(outcome.problem)
         else:
-            conversation.environment, conversation.prompt_tokens = outcome.value
+            conversation.environment, conversation.prompt_tokens, conversation.scored_when_cut = outcome.value
     counts = Counter()
     with generator.conversation():  # with prefix caching, a turn reuses what earlier turns prefilled
         for _ in range(config.max_turns):
             open_ = [c for c in conversations if not c.over and len(c.prompt_tokens) + len(c.tokens) < context]
             if not open_:
                 break
-            _turn(generator, open_, tokenizer, turn_format, sampling, config, context, counts)
-    _finish_cut(conversations, config, counts)
+            _turn(generator, open_, tokenizer, turn_format, sampling, config, context, calls, counts)
+    _finish_cut(conversations, calls, counts)
+    calls.close()
     counts.update(c.problem for c in conversations if c.problem)
     counts.update(turns=sum(c.turns for c in conversations),
                   truncated=sum(not c.over for c in conversations))
@@ -127,7 +138,8 @@ def run_conversations(generator: Generator, examples: list, environment: type, t
 
 
 def _turn(generator: Generator, conversations: list[Conversation], tokenizer, turn_format: TagTurns,
-          sampling: Sampling, config: TurnConfig, context: int, counts: Counter) -> None:
+          sampling: Sampling, config: TurnConfig, context: int, calls: EnvironmentCalls,
+          counts: Counter) -> None:
     """One sampled turn of each conversation, then the environment's answers (their wall time
     added to counts["env_seconds"])."""
     requests = [c.prompt_tokens + c.tokens for c in conversations]
@@ -141,8 +153,8 @@ def _turn(generator: Generator, conversations: list[Conversation], tokenizer, tu
         turn = generation.completion_tokens[:kept]
         texts.append(tokenizer.decode(turn[:-1] if conversation.stopped_on_eod else turn))
     started = time.monotonic()
-    answers = call_all([functools.partial(_step, c.environment, text, turn_format, config.observation_tokens)
-                        for c, text in zip(conversations, texts)], config.env_timeout_s, config.env_workers)
+    answers = calls("step", texts, [functools.partial(_step, c.environment, text, turn_format, config.observation_tokens)
+                                    for c, text in zip(conversations, texts)], decode=tuple)
     counts["env_seconds"] += time.monotonic() - started
     for conversation, outcome in zip(conversations, answers):
         if outcome.problem:
@@ -156,15 +168,15 @@ def _turn(generator: Generator, conversations: list[Conversation], tokenizer, tu
             conversation.add(observation, None)
 
 
-def _finish_cut(conversations: list[Conversation], config: TurnConfig, counts: Counter) -> None:
+def _finish_cut(conversations: list[Conversation], calls: EnvironmentCalls, counts: Counter) -> None:
     """The conversations the turn or context limit cut, scored by their environment's `finish`
     where it has one (a terminal's task tests); they stay counted as cut."""
-    cut = [c for c in conversations if not c.over and hasattr(c.environment, "finish")]
-    if not cut:
+    indices = [i for i, c in enumerate(conversations) if not c.over and c.scored_when_cut]
+    if not indices:
         return
+    cut = [conversations[i] for i in indices]
     started = time.monotonic()
-    scores = call_all([functools.partial(_finish, c.environment) for c in cut], config.env_timeout_s,
-                      config.env_workers)
+    scores = calls("finish", indices, [functools.partial(_finish, c.environment) for c in cut])
     counts["env_seconds"] += time.monotonic() - started
     for conversation, outcome in zip(cut, scores):
         if outcome.problem:
@@ -181,14 +193,15 @@ def _finish(environment) -> float:
     return reward
 
 
-def _open(environment_class: type, example, turn_format: TagTurns) -> tuple[object, list[int]]:
-    """A sample's environment, built, and its first observation as the prompt's tokens (through
-    the chat template), on the call's own thread: a constructor that raises fails that sample."""
+def _open(environment_class: type, example, turn_format: TagTurns) -> tuple[object, list[int], bool]:
+    """A sample's environment, built, its first observation as the prompt's tokens (through the
+    chat template), and whether it scores a cut conversation (has `finish`); on the call's own
+    thread: a constructor that raises fails that sample."""
     environment = environment_class()
     observation = environment.reset(example)
     if not isinstance(observation, str):
         raise TypeError(f"reset returned {type(observation).__name__}, not the first observation's text")
-    return environment, turn_format.prompt(observation)
+    return environment, turn_format.prompt(observation), hasattr(environment, "finish")
 
 
 def _step(environment, text: str, turn_format: TagTurns, max_tokens: int) -> tuple[list[int], float, bool]:

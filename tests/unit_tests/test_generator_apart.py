@@ -165,6 +165,8 @@ def test_roles_split_the_processes_and_each_trainer_has_one_generator(monkeypatc
     assert [r.is_generator for r in roles] == [False] * 4 + [True] * 3
     assert [r.served_ranks() for r in roles[4:]] == [[0, 3], [1], [2]]
     assert [roles[0].generator_of(t) for t in range(4)] == [4, 5, 6, 4]
+    # 3 nodes of 3 processes, the last 5 generating: 3 trainers on node 0, 1 on node 1, none on node 2
+    assert [Roles(0, 9, 5).trainers_on_node(3, node) for node in range(3)] == [3, 1, 0]
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="--rl-generator-ranks 2 of 2 processes leaves no trainer"):

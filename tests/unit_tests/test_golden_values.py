@@ -239,8 +239,41 @@ def test_a_resume_case_stops_half_way_then_resumes_with_another_seed(tmp_path, m
             f.writelines(json.dumps({"step": s, "loss": 0.1 * s}) + "\n" for s in steps)
 
     monkeypatch.setattr(golden_values, "_pretrain_rl", pretrain_rl)
-    records, _ = golden_values.run_case(case, str(tmp_path), resume=True)
+    records, _ = golden_values.run_case(case, str(tmp_path), checking=True)
     checkpoints = str(tmp_path / "ckpt")
     assert calls[0][-2:] == ["--exit-interval", "2"] and "--load" not in calls[0]
     assert calls[1][-4:] == ["--load", checkpoints, "--seed", str(golden_values.RESUME_SEED)]
     assert golden_values.RESUME_SEED != 7 and sorted(records) == [3, 4]
+
+
+class _Ran(Exception):
+    pass
+
+
+def _flags_of_run(monkeypatch, case, checking) -> list[str]:
+    """The flags run_case gives pretrain_rl (the run itself stopped there)."""
+    def stop(case, extra):
+        raise _Ran(extra)
+    monkeypatch.setattr(golden_values, "_pretrain_rl", stop)
+    with pytest.raises(_Ran) as ran:
+        golden_values.run_case(case, "/tmp/w", checking)
+    return ran.value.args[0]
+
+
+def test_a_replay_environment_case_records_to_regenerate_and_plays_back_to_check(tmp_path, monkeypatch):
+    (tmp_path / "model_config.yaml").write_text("REPLAY_ENVIRONMENT: true\nMODEL_ARGS: {--train-iters: 2}\n")
+    case = golden_values.load_case(str(tmp_path))
+    recording = str(tmp_path / golden_values.RECORDING)
+    with pytest.raises(SystemExit, match=f"{recording}: missing \\(REPLAY_ENVIRONMENT\\)"):
+        (tmp_path / golden_values.GOLDEN).write_text("{}")
+        golden_values._load_all([str(tmp_path)], "check")
+    (tmp_path / golden_values.RECORDING).write_text("old")
+    assert _flags_of_run(monkeypatch, case, checking=True)[-2:] == ["--rl-env-replay", recording]
+    assert os.path.exists(recording)
+    assert _flags_of_run(monkeypatch, case, checking=False)[-2:] == ["--rl-env-record", recording]
+    assert not os.path.exists(recording)  # --rl-env-record appends: the old recording went first
+    (tmp_path / "model_config.yaml").write_text("MODEL_ARGS: {--train-iters: 2}\n")
+    assert "--rl-env-record" not in _flags_of_run(monkeypatch, golden_values.load_case(str(tmp_path)), False)
+    (tmp_path / "model_config.yaml").write_text("REPLAY_ENVIRONMENT: yes please\nMODEL_ARGS: {--train-iters: 2}\n")
+    with pytest.raises(ValueError, match="REPLAY_ENVIRONMENT 'yes please': expected true or false"):
+        golden_values.load_case(str(tmp_path))

@@ -1,5 +1,8 @@
 """Each phase's peak and the run's (reporting/gpu_memory.py), against a scripted allocator."""
 
+import resource
+import types
+
 import torch
 
 from megatron_rl_bi.reporting.gpu_memory import GIB, PeakMemory
@@ -26,6 +29,7 @@ def test_each_phase_has_its_own_peak_and_the_run_keeps_its_start(monkeypatch):
     memory = ScriptedAllocator()
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: memory.peak)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", memory.reset)
+    monkeypatch.setattr(resource, "getrusage", lambda who: types.SimpleNamespace(ru_maxrss=5 * 2**20))  # KiB
     peak_memory = PeakMemory()
     memory.alloc(10)  # the start: model, optimizer, engine
     memory.free(4)  # the engine's cache freed once built
@@ -36,8 +40,9 @@ def test_each_phase_has_its_own_peak_and_the_run_keeps_its_start(monkeypatch):
     with peak_memory.phase("training", first):
         memory.alloc(2)
         memory.free(2)
-    assert first == {"memory/peak_generation_gib": 9, "memory/peak_training_gib": 8, "memory/peak_allocated_gib": 10}
+    assert first == {"memory/peak_generation_gib": 9, "memory/peak_training_gib": 8, "memory/peak_allocated_gib": 10,
+                     "memory/peak_host_gib": 5}
     with peak_memory.phase("generation", second):
         memory.alloc(7)
         memory.free(7)
-    assert second == {"memory/peak_generation_gib": 13, "memory/peak_allocated_gib": 13}
+    assert second == {"memory/peak_generation_gib": 13, "memory/peak_allocated_gib": 13, "memory/peak_host_gib": 5}

@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import pathlib
+import types
 
 import pytest
 
@@ -14,6 +15,7 @@ from megatron_rl_bi.config import parse_rl_args
 from megatron_rl_bi.config.from_args import model_shape_from_args
 from megatron_rl_bi.memory import (
     GENERATION,
+    GIB,
     TRAINING,
     EngineShape,
     Levers,
@@ -21,6 +23,7 @@ from megatron_rl_bi.memory import (
     Recompute,
     RunShape,
     activation_bytes,
+    host_memory_problem,
     kv_bytes_per_token,
     kv_cache_problem,
     logits_bytes,
@@ -172,10 +175,11 @@ def test_plan_by_hand_each_lever():
     assert offload.phase_bytes(GENERATION) == 6 * params + 1000  # optimizer on the CPU meanwhile
     assert plan_memory(_run(dp=4), Levers(distributed_optimizer=True)).item("optimizer").bytes == 12 * params // 4
     assert plan_memory(_run(), Levers(optimizer_cpu_offload=True)).item("optimizer").bytes == 0
-    # host memory: the whole state on the CPU route (1/4 each, distributed over 4), the GPU state
-    # while generating with the offload lever, none otherwise
+    # host memory: on the CPU route the whole state and the gradients' fp32 host copy, 12 + 4
+    # bytes a parameter (1/4 each, distributed over 4); the GPU state while generating with the
+    # offload lever; none otherwise
     assert plan_memory(_run(dp=4), Levers(optimizer_cpu_offload=True, distributed_optimizer=True)
-                       ).host_optimizer_bytes == 12 * params // 4
+                       ).host_optimizer_bytes == 16 * params // 4
     assert offload.host_optimizer_bytes == 12 * params and plan.host_optimizer_bytes == 0
     assert plan_memory(_run(), Levers(reference_model=True)).item("KL reference weights").bytes == 2 * params
     full = plan_memory(_run(), Levers(recompute=Recompute("full", "uniform", 1)))
@@ -332,6 +336,24 @@ def test_the_tools_own_example_runs_as_written(tmp_path, monkeypatch, capsys):
     assert "predicted peak" in capsys.readouterr().out
 
 
+def test_the_tool_plans_for_this_machine_s_gpu_else_an_h200(monkeypatch, capsys):
+    """An H100's plan said 'of 139.8 GiB: fits' when the GPU's memory was not given."""
+    tool = _memory_plan_tool()
+    argv = ["memory_plan.py", "--recipe", str(REPO / "examples" / "recipes" / "tiny_sort.yaml"),
+            "--flash-attention-version", "4"]
+    monkeypatch.setattr("sys.argv", argv)
+    tool.main()
+    assert "GiB of 139.8 GiB: fits" in capsys.readouterr().out  # no GPU here: an H200's
+    monkeypatch.setattr(tool.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tool.torch.cuda, "get_device_properties",
+                        lambda index: types.SimpleNamespace(total_memory=int(79.1 * GIB), name="H100"))
+    tool.main()
+    assert "GiB of 79.1 GiB: fits" in capsys.readouterr().out
+    monkeypatch.setattr("sys.argv", argv + ["--plan-gpu-memory-gib", "40"])
+    tool.main()
+    assert "GiB of 40.0 GiB: fits" in capsys.readouterr().out
+
+
 def test_the_tools_help_shows_its_own_flags(monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["memory_plan.py", "--help"])
     _memory_plan_tool().main()
@@ -358,3 +380,12 @@ def test_cuda_graphs_hold_a_decode_steps_fp32_logits_while_generating():
     assert plan.item("engine logits buffer").bytes == 4 * 16 * 4  # 4 requests, 16 logits, fp32
     assert plan.phase_bytes(GENERATION) == 18 * params + 1000 + 256
     assert plan.phase_bytes(TRAINING) == 18 * params + 1000 + 3280 + 2880
+
+
+def test_a_node_whose_memory_cannot_hold_its_processes_optimizers_is_named():
+    assert host_memory_problem(40 * GIB, 3, 125 * GIB, sharded=False) is None
+    problem = host_memory_problem(40 * GIB, 4, 125 * GIB, sharded=False)
+    assert problem.startswith("the optimizer takes 40.0 GiB of host memory a training process")
+    assert "160.0 GiB for this node's 4; the node has 125.0 GiB: shard it over the GPUs (--use-distributed-optimizer)" in problem
+    assert problem.endswith("(--rl-offload-optimizer-during-inference instead)")
+    assert "shard it over more GPUs" in host_memory_problem(40 * GIB, 4, 125 * GIB, sharded=True)

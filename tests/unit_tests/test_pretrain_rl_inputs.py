@@ -177,3 +177,25 @@ def test_the_launch_check_says_each_process_role_with_generators_apart():
     assert "launch check: rank 0 of 2 on " in result.stdout and "data-parallel group [0]" in result.stdout
     assert "launch check: rank 1 of 2 on " in result.stdout and "generator for trainer ranks [0]" in result.stdout
     assert "launch check passed: 2 processes on 1 nodes" in result.stdout
+
+
+def test_optimizers_that_the_node_s_memory_cannot_hold_end_the_run_before_the_gpu(pretrain_rl, monkeypatch):
+    """--optimizer-cpu-offload keeps 16 bytes a parameter on the host: two training processes of
+    the tiny model on a node of 1.5x one's need are refused, naming the flags; one is not."""
+    from megatron_rl_bi.config.from_args import levers_from_args, memory_run_from_args
+    from megatron_rl_bi.memory import host_optimizer_bytes, parameter_count
+
+    flags = TINY + ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
+    args = pretrain_rl.parse_rl_args(flags)
+    run = memory_run_from_args(args, pretrain_rl.model_vocab_size(args, pretrain_rl.build_tokenizer(
+        args.rl_tokenizer, chat_template=False)), 1, 0)
+    need = host_optimizer_bytes(parameter_count(run.model), run.model, levers_from_args(args), 1)
+    assert need == 16 * parameter_count(run.model)
+    monkeypatch.setattr(pretrain_rl, "node_memory_bytes", lambda: int(1.5 * need))
+    with pytest.raises(ReachedTheGPU):
+        pretrain_rl.main(flags)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match=r"the optimizer takes .* GiB of host memory a training process .* "
+                                         r"for this node's 2; the node has .* \(--use-distributed-optimizer\)"):
+        pretrain_rl.main(flags)

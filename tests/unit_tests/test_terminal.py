@@ -16,6 +16,7 @@ import pytest
 
 from megatron_rl_bi.envs import sandbox
 from megatron_rl_bi.envs.environment import build_environment
+from megatron_rl_bi.envs.recording import EnvironmentCalls
 from megatron_rl_bi.envs.tasks import TerminalTasks, build_task
 from megatron_rl_bi.envs.terminal import read_tasks, terminal_environment
 from megatron_rl_bi.rl import conversations
@@ -207,11 +208,11 @@ def test_a_conversation_cut_by_the_turn_limit_is_scored_by_finish():
                 raise RuntimeError("broken tests")
             return self.score
 
-    cut = [conversations.Conversation(Finishing(score)) for score in (1.0, 0.0, None, float("nan"))]
-    over = conversations.Conversation(Finishing(1.0), over=True)
+    cut = [conversations.Conversation(Finishing(score), scored_when_cut=True) for score in (1.0, 0.0, None, float("nan"))]
+    over = conversations.Conversation(Finishing(1.0), over=True, scored_when_cut=True)
     no_finish = conversations.Conversation(object())
     counts = Counter()
-    conversations._finish_cut([*cut, over, no_finish], conversations.TurnConfig(env_timeout_s=5), counts)
+    conversations._finish_cut([*cut, over, no_finish], EnvironmentCalls(seed=0, timeout_s=5, workers=None), counts)
     assert [(c.reward, c.problem) for c in cut] == [(1.0, None), (0.0, None), (0.0, "env_failures"),
                                                     (0.0, "env_failures")]
     assert (over.reward, no_finish.reward) == (0.0, 0.0) and not any(c.over for c in cut)
