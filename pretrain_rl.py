@@ -46,6 +46,7 @@ from megatron_rl_bi.memory import (
     GIB,
     format_plan,
     host_memory_problem,
+    host_memory_warning,
     host_optimizer_bytes,
     kv_cache_bytes,
     kv_cache_problem,
@@ -214,8 +215,11 @@ def check_host_memory(args: argparse.Namespace, vocab_size: int, roles: Roles) -
     run = memory_run_from_args(args, vocab_size, roles.trainers, 0)
     host = host_optimizer_bytes(parameter_count(run.model), run.model, levers_from_args(args), run.data_parallel)
     processes = roles.trainers_on_node(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get("GROUP_RANK", 0)))
-    if problem := host_memory_problem(host, processes, node_memory_bytes(), args.use_distributed_optimizer):
+    machine = node_memory_bytes()
+    if problem := host_memory_problem(host, processes, machine, args.use_distributed_optimizer):
         raise ValueError(problem)
+    if (warning := host_memory_warning(host, processes, machine)) and roles.rank == 0:
+        print(warning, flush=True)
 
 
 def start_processes(inputs: RunInputs) -> Bridge | None:

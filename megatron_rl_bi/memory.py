@@ -408,6 +408,22 @@ def node_memory_bytes() -> int:
     return min(physical, int(limit)) if limit.isdigit() else physical
 
 
+# Of a node's memory, the share its processes' optimizers may take before the plan warns: the
+# processes themselves take more (CUDA, torch, a checkpoint's load). The Qwen3.5-35B-A3B 8-layer
+# run's optimizer, 115.4 GiB by this count, was killed on a node of 125 GiB (results/README.md).
+HOST_SHARE_WARNED = 0.85
+
+
+def host_memory_warning(host_bytes: int, processes: int, machine_bytes: int) -> str | None:
+    """A warning where the optimizers fit the node's memory with little left for the rest."""
+    need = host_bytes * processes
+    if not HOST_SHARE_WARNED * machine_bytes < need <= machine_bytes:
+        return None
+    return (f"warning: the optimizers of this node's {processes} training process(es) take {need / GIB:.1f} GiB "
+            f"of its {machine_bytes / GIB:.1f} GiB of host memory ({need / machine_bytes:.0%}); the processes "
+            "themselves take more, and the kernel kills a process that finds none left")
+
+
 def host_memory_problem(host_bytes: int, processes: int, machine_bytes: int, sharded: bool) -> str | None:
     """Why `processes` ranks, each taking `host_bytes` of host memory for its optimizer (`sharded`
     over them by the distributed optimizer, or not), cannot share a node of `machine_bytes`; None

@@ -24,6 +24,7 @@ from megatron_rl_bi.memory import (
     RunShape,
     activation_bytes,
     host_memory_problem,
+    host_memory_warning,
     kv_bytes_per_token,
     kv_cache_problem,
     logits_bytes,
@@ -389,3 +390,9 @@ def test_a_node_whose_memory_cannot_hold_its_processes_optimizers_is_named():
     assert "160.0 GiB for this node's 4; the node has 125.0 GiB: shard it over the GPUs (--use-distributed-optimizer)" in problem
     assert problem.endswith("(--rl-offload-optimizer-during-inference instead)")
     assert "shard it over more GPUs" in host_memory_problem(40 * GIB, 4, 125 * GIB, sharded=True)
+    # fits, but within 15% of the node: warned (the 35B-A3B 8-layer run, 115.4 of 125 GiB, was killed)
+    assert host_memory_warning(40 * GIB, 2, 125 * GIB) is None  # 64%
+    warning = host_memory_warning(int(115.4 * GIB), 1, 125 * GIB)
+    assert warning.startswith("warning: the optimizers of this node's 1 training process(es) take 115.4 GiB of its "
+                              "125.0 GiB of host memory (92%)")
+    assert host_memory_warning(40 * GIB, 4, 125 * GIB) is None  # does not fit: the problem says so

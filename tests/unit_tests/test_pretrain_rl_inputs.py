@@ -179,9 +179,10 @@ def test_the_launch_check_says_each_process_role_with_generators_apart():
     assert "launch check passed: 2 processes on 1 nodes" in result.stdout
 
 
-def test_optimizers_that_the_node_s_memory_cannot_hold_end_the_run_before_the_gpu(pretrain_rl, monkeypatch):
+def test_optimizers_that_the_node_s_memory_cannot_hold_end_the_run_before_the_gpu(pretrain_rl, monkeypatch, capsys):
     """--optimizer-cpu-offload keeps 16 bytes a parameter on the host: two training processes of
-    the tiny model on a node of 1.5x one's need are refused, naming the flags; one is not."""
+    the tiny model on a node of 1.5x one's need are refused, naming the flags; one is not, and is
+    warned on a node of 1.05x its need."""
     from megatron_rl_bi.config.from_args import levers_from_args, memory_run_from_args
     from megatron_rl_bi.memory import host_optimizer_bytes, parameter_count
 
@@ -194,6 +195,12 @@ def test_optimizers_that_the_node_s_memory_cannot_hold_end_the_run_before_the_gp
     monkeypatch.setattr(pretrain_rl, "node_memory_bytes", lambda: int(1.5 * need))
     with pytest.raises(ReachedTheGPU):
         pretrain_rl.main(flags)
+    assert "warning: the optimizers" not in capsys.readouterr().out
+    monkeypatch.setattr(pretrain_rl, "node_memory_bytes", lambda: int(1.05 * need))
+    with pytest.raises(ReachedTheGPU):
+        pretrain_rl.main(flags)
+    assert "warning: the optimizers of this node's 1 training process(es) take" in capsys.readouterr().out
+    monkeypatch.setattr(pretrain_rl, "node_memory_bytes", lambda: int(1.5 * need))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit, match=r"the optimizer takes .* GiB of host memory a training process .* "
