@@ -29,7 +29,7 @@ from bench.workload import (  # noqa: E402
     add_workload_args,
     build_workload,
     check_bi_parity,
-    run_in_both_modes,
+    run_modes,
 )
 
 from megatron_rl_bi import bi  # noqa: E402
@@ -214,10 +214,10 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
 
 
 def main() -> None:
-    args, report = run_in_both_modes(add_profile_args, measure)
+    args, report = run_modes(add_profile_args, measure)
     keys = ("prefill_ms", "decode_step_ms_median", "decode_interval_ms_median", "decode_hbm_roofline_fraction",
             "train_fwd_bwd_s", "parity_max")
-    write_report(report, {mode: {k: report[mode].get(k) for k in keys} for mode in ("bi", "default")},
+    write_report(report, {mode: {k: report[mode].get(k) for k in keys} for mode in ("bi", "default") if mode in report},
                  args.bench_output)
     check_bi_parity(report)
 

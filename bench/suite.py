@@ -10,9 +10,12 @@ default on the same weights, each run checking its own BI parity) and the GEMM t
       --extra-flags "<the same>"                          # long responses: KV-bound decode
 
 The record runs the engine with its decode CUDA graphs and async scheduling, as a user should;
-without --extra-flags the engine is eager (results/bench_eager_h200.json). --rounds N repeats
-each model, alternating which mode runs first, and reports the medians: a decode step is
-host-bound, and one process's host can run it slower than the next one's (results/README.md).
+without --extra-flags the engine is eager (results/bench_eager_h200.json). Each mode runs in a
+process of its own, the second on the first's weights (a file in the work directory), so nothing
+of the first mode's is left to the second's (in one process a MoE model's first mode kept
+25 GiB past its end, and the second ran out of an H100's memory). --rounds N repeats each
+model, alternating which mode runs first, and reports the medians: a decode step is host-bound,
+and one process's host can run it slower than the next one's (results/README.md).
 """
 
 import argparse
@@ -108,6 +111,29 @@ def _run(script: str, flags: list[str], output_flag: str, path: str) -> tuple[di
         return read_object(path), exit_status
     except ValueError as exc:
         return None, f"exit {code}, {exc}"
+
+
+def profile_round(flags: list[str], index: int, workdir: str, name: str) -> tuple[dict | None, list[str]]:
+    """One round of bench/profile_steps.py: each mode in a process of its own (BI first in even
+    rounds), the second on the first's weights; the two reports in one (the first's provenance
+    and config), or None when a mode wrote none; and what went wrong."""
+    modes = ("bi", "default") if index % 2 == 0 else ("default", "bi")
+    weights = os.path.join(workdir, f"{name}_{index}_weights.pt")
+    reports, failures = {}, []
+    for order, mode in enumerate(modes):
+        passed = ["--bench-save-weights" if order == 0 else "--bench-weights", weights]
+        report, failure = _run("profile_steps.py", flags + ["--bench-mode", mode, *passed], "--bench-output",
+                               os.path.join(workdir, f"{name}_{index}_{mode}.json"))
+        if failure:
+            failures.append(f"{mode} mode: {failure}")
+        if report is None or mode not in report:
+            break
+        reports[mode] = report
+    if os.path.exists(weights):
+        os.remove(weights)
+    if len(reports) < 2:
+        return None, failures
+    return {**reports[modes[0]], "bi": reports["bi"]["bi"], "default": reports["default"]["default"]}, failures
 
 
 def _ratio(bi: dict, default: dict, key: str) -> float | None:
@@ -251,11 +277,8 @@ def main() -> None:
     for name in args.models:
         rounds = []
         for index in range(args.rounds):
-            order = ["--bench-default-first"] if index % 2 else []
-            profile, failure = _run("profile_steps.py", COMMON + MODELS[name] + order + args.extra_flags.split(),
-                                    "--bench-output", os.path.join(workdir, f"{name}_{index}.json"))
-            if failure:
-                failures.append(f"{name} round {index}: {failure}")
+            profile, failed = profile_round(COMMON + MODELS[name] + args.extra_flags.split(), index, workdir, name)
+            failures += [f"{name} round {index}: {failure}" for failure in failed]
             if profile is None:
                 break  # the next round would fail the same way (at 4af7568 all three ran out of memory)
             rounds.append(profile)

@@ -46,6 +46,15 @@ def add_workload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--bench-default-first", action="store_true",
                        help="measure default mode before BI mode (bench/suite.py --rounds alternates the "
                             "order, so a machine's drift does not fall on one mode)")
+    group.add_argument("--bench-mode", choices=("both", "bi", "default"), default="both",
+                       help="'bi' or 'default': that mode alone (bench/suite.py runs each mode in a process "
+                            "of its own, the second on the first's weights: nothing of the first is left "
+                            "to the second, where a MoE model's first mode kept 25 GiB on an H100)")
+    group.add_argument("--bench-weights", default=None, metavar="FILE",
+                       help="the model's weights from FILE (as --bench-save-weights wrote them), not a "
+                            "fresh initialization")
+    group.add_argument("--bench-save-weights", default=None, metavar="FILE",
+                       help="the model's weights to FILE after the last mode, for --bench-weights")
     parser.set_defaults(lr=1e-6)  # the optimizer needs one; the update's speed does not depend on it
     return parser
 
@@ -111,20 +120,38 @@ def build_workload(args: argparse.Namespace, weights: dict | None = None, trains
                     batch)
 
 
-def run_in_both_modes(extra_args_provider, measure: Callable) -> tuple[argparse.Namespace, dict]:
+def run_modes(extra_args_provider, measure: Callable) -> tuple[argparse.Namespace, dict]:
     """Parses the flags, then `measure(args, batch_invariant, weights) -> (result, weights)` in
     BI mode and in default mode (BI first unless --bench-default-first), the second on the first's
-    weights (each result holds `parity_max`); the report (provenance, config, both results) and
-    the flags."""
+    weights, or in the one mode --bench-mode names; the weights from --bench-weights if given, to
+    --bench-save-weights if given. Each result holds `parity_max`. The report: provenance,
+    config, and each measured mode's result under "bi" or "default"; and the flags."""
     args = parse_args(extra_args_provider=extra_args_provider)
     validate_batch_invariance(args, batch_invariant=True)
     validate_installed_kernels(args)
     print_arguments(args)
     initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
-    first, second = (False, True) if args.bench_default_first else (True, False)
+    modes = {"both": (not args.bench_default_first, args.bench_default_first), "bi": (True,),
+             "default": (False,)}[args.bench_mode]
+    weights = torch.load(args.bench_weights, weights_only=False) if args.bench_weights else None  # our own file
     results = {}
-    results[first], weights = measure(args, first, None)
-    print_numbers(first, results[first])
+    for index, batch_invariant in enumerate(modes):
+        if index:
+            release_first_mode()
+        results[batch_invariant], weights = measure(args, batch_invariant, weights)
+        print_numbers(batch_invariant, results[batch_invariant])
+    if args.bench_save_weights:
+        torch.save(weights, args.bench_save_weights)
+    torch.distributed.destroy_process_group()
+    config = {k: str(v) for k, v in vars(args).items()
+              if k.startswith(("bench_", "hidden", "num_layers", "num_attention", "num_query", "ffn",
+                               "hybrid", "cuda_graph", "inference_cuda_graph"))}
+    return args, {**provenance(), "config": config,
+                  **{("bi" if mode else "default"): result for mode, result in results.items()}}
+
+
+def release_first_mode() -> None:
+    """What the first mode left, freed before the second builds its own; what stays is named."""
     # megatron-core's global graph record keeps the first engine's graph runners, and through them
     # its model, alive past measure's frame: release them before the second mode builds its own.
     delete_cuda_graphs()
@@ -137,13 +164,6 @@ def run_in_both_modes(extra_args_provider, measure: Callable) -> tuple[argparse.
     if held > 2**30:  # what keeps the first mode alive (a MoE model held 25 GiB here on an H100)
         for tensor in largest_live_tensors("cuda", 8):
             print(f"  still alive: {json.dumps(tensor)}", flush=True)
-    results[second], _ = measure(args, second, weights)
-    print_numbers(second, results[second])
-    torch.distributed.destroy_process_group()
-    config = {k: str(v) for k, v in vars(args).items()
-              if k.startswith(("bench_", "hidden", "num_layers", "num_attention", "num_query", "ffn",
-                               "hybrid", "cuda_graph", "inference_cuda_graph"))}
-    return args, {**provenance(), "config": config, "bi": results[True], "default": results[False]}
 
 
 def largest_live_tensors(device_type: str, count: int) -> list[dict]:
@@ -196,6 +216,7 @@ def print_numbers(batch_invariant: bool, result: dict) -> None:
 
 
 def check_bi_parity(report: dict) -> None:
-    """After the report is written: exit 1 unless BI mode kept engine/trainer parity."""
-    if report["bi"]["parity_max"] != 0.0:
+    """After the report is written: exit 1 unless BI mode, where measured, kept engine/trainer
+    parity."""
+    if "bi" in report and report["bi"]["parity_max"] != 0.0:
         raise SystemExit(f"BI parity broken: engine vs trainer max |diff| {report['bi']['parity_max']}")

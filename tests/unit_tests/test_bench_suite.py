@@ -139,7 +139,7 @@ def test_a_round_that_wrote_nothing_is_not_repeated(tmp_path, monkeypatch):
     monkeypatch.setattr(suite, "_run", out_of_memory)
     monkeypatch.setattr(suite.sys, "argv", ["suite.py", "--output", str(tmp_path / "b.json"), "--models",
                                             "qwen3_4b_long", "dense4", "--rounds", "3", "--skip-gemm"])
-    with pytest.raises(SystemExit, match="qwen3_4b_long round 0: exit 1.*dense4 round 0: exit 1"):
+    with pytest.raises(SystemExit, match="qwen3_4b_long round 0: bi mode: exit 1.*dense4 round 0: bi mode: exit 1"):
         suite.main()
     assert len(calls) == 2 and suite.read_object(str(tmp_path / "b.json"))["rounds"] == 0
 
@@ -150,9 +150,9 @@ def test_a_run_stopped_between_rounds_keeps_the_rounds_it_finished(tmp_path, mon
 
     def one_round_then_stopped(script, flags, output_flag, path):
         calls.append(flags)
-        if len(calls) > 1:
+        if len(calls) > 2:
             raise KeyboardInterrupt  # the device call's time limit, in the second round
-        return {"bi": MODE, "default": MODE}, None
+        return {flags[flags.index("--bench-mode") + 1]: MODE}, None
 
     monkeypatch.setattr(suite, "_run", one_round_then_stopped)
     monkeypatch.setattr(suite.sys, "argv", ["suite.py", "--output", str(output), "--models", "qwen3_4b_long",
@@ -162,7 +162,36 @@ def test_a_run_stopped_between_rounds_keeps_the_rounds_it_finished(tmp_path, mon
     report = suite.read_object(str(output))
     assert report["rounds"] == 1 and len(report["models"]["qwen3_4b_long"]["rounds"]) == 1
     assert report["decode_ms_long_bi"] == 30.0 and report["failures"] == []
-    assert "--bench-default-first" in calls[1] and "--bench-default-first" not in calls[0]
+    assert [call[call.index("--bench-mode") + 1] for call in calls] == ["bi", "default", "default"]
+
+
+def test_each_mode_runs_in_a_process_of_its_own_the_second_on_the_first_s_weights(tmp_path, monkeypatch):
+    """In one process a MoE model's first mode kept 25 GiB, and the second ran out of an H100's memory."""
+    calls = []
+
+    def run(script, flags, output_flag, path):
+        mode = flags[flags.index("--bench-mode") + 1]
+        calls.append((mode, flags[-2:]))
+        if "--bench-save-weights" in flags:
+            open(flags[-1], "w").close()
+        return {"run": {"device": mode}, mode: {**MODE, "parity_max": 0.0 if mode == "bi" else 1.0}}, None
+
+    monkeypatch.setattr(suite, "_run", run)
+    profile, failures = suite.profile_round(["--x"], 1, str(tmp_path), "m")
+    weights = str(tmp_path / "m_1_weights.pt")
+    assert calls == [("default", ["--bench-save-weights", weights]), ("bi", ["--bench-weights", weights])]
+    assert failures == [] and not (tmp_path / "m_1_weights.pt").exists()
+    assert profile["run"] == {"device": "default"} and (profile["bi"]["parity_max"], profile["default"]["parity_max"]) == (0.0, 1.0)
+
+    def second_fails(script, flags, output_flag, path):
+        if "--bench-weights" in flags:
+            return None, f"exit 1, wrote no {path}"
+        return run(script, flags, output_flag, path)
+
+    monkeypatch.setattr(suite, "_run", second_fails)
+    profile, failures = suite.profile_round(["--x"], 0, str(tmp_path), "m")
+    assert profile is None and failures == [f"default mode: exit 1, wrote no {tmp_path}/m_0_default.json"]
+    assert not (tmp_path / "m_0_weights.pt").exists()
 
 
 def test_markdown_table_of_a_file_without_decode_intervals_or_bytes():

@@ -1,6 +1,9 @@
 """bench/workload.py's report of what keeps memory alive between the bench's two modes (CPU:
 the same search over CPU tensors)."""
 
+import argparse
+
+import pytest
 import torch
 
 from bench.workload import largest_live_tensors
@@ -39,3 +42,34 @@ def test_a_buffer_only_its_views_hold_is_named_by_the_views_holders():
     ours = [row for row in largest_live_tensors("cpu", 50) if row["gib"] == 20 / 1024]
     assert ours == [{"gib": 20 / 1024, "shape": [20 << 20], "dtype": "torch.uint8", "held_by": ["Parameter"]}]
     assert len(parameters) == 2
+
+
+@pytest.mark.parametrize("flags,modes", [([], [True, False]), (["--bench-default-first"], [False, True]),
+                                         (["--bench-mode", "default"], [False]), (["--bench-mode", "bi"], [True])])
+def test_the_modes_run_in_order_on_the_first_s_weights_and_the_weights_travel_by_file(tmp_path, monkeypatch,
+                                                                                         flags, modes):
+    from bench import workload
+
+    loaded = tmp_path / "in.pt"
+    torch.save({"w": torch.tensor([1.0, 2.0])}, loaded)
+    saved = tmp_path / "out.pt"
+    argv = ["--bench-weights", str(loaded), "--bench-save-weights", str(saved), *flags]
+    args = workload.add_workload_args(argparse.ArgumentParser()).parse_args(argv)
+    args.seed, args.cuda_graph_impl = 1, "none"
+    monkeypatch.setattr(workload, "parse_args", lambda extra_args_provider: args)
+    for name in ("validate_batch_invariance", "validate_installed_kernels", "print_arguments",
+                 "initialize_distributed", "release_first_mode"):
+        monkeypatch.setattr(workload, name, lambda *a, **k: None)
+    monkeypatch.setattr(workload.torch.distributed, "destroy_process_group", lambda: None)
+    seen = []
+
+    def measure(args, batch_invariant, weights):
+        seen.append((batch_invariant, weights["w"].tolist()))
+        return {"parity_max": 0.0}, {"w": weights["w"] + 1}
+
+    _, report = workload.run_modes(None, measure)
+    assert [mode for mode, _ in seen] == modes
+    assert [w for _, w in seen] == [[1.0 + i, 2.0 + i] for i in range(len(modes))]  # each on the one before's
+    assert torch.load(saved)["w"].tolist() == [1.0 + len(modes), 2.0 + len(modes)]
+    assert sorted(k for k in report if k in ("bi", "default")) == sorted("bi" if m else "default" for m in modes)
+
