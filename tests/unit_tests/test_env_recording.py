@@ -15,13 +15,15 @@ import pytest
 from megatron_rl_bi.config.rl_args import parse_rl_args
 from megatron_rl_bi.envs import Example
 from megatron_rl_bi.envs.environment import FAILED, TIMED_OUT
-from megatron_rl_bi.envs.recording import ReplayMismatch
+from megatron_rl_bi.envs import PromptSource
+from megatron_rl_bi.envs.recording import ReplayMismatch, read_recording
 from megatron_rl_bi.envs.sandbox import SandboxConfig
 from megatron_rl_bi.envs.terminal import TerminalTask, terminal_environment
 from megatron_rl_bi.rl.conversations import TurnConfig, run_conversations
+from megatron_rl_bi.rl.rollouts import RolloutConfig, collect_rollouts
 
 from ..sandbox_fixtures import sandbox_python
-from .test_conversations import SAMPLING, TOK, Broken, KeyValue, ScriptedEngine
+from .test_conversations import SAMPLING, TOK, Broken, KeyTask, KeyValue, ScriptedEngine
 from .test_search_env import COMMON
 
 EXAMPLES = [Example(prompt="find k\n", answer="v", verify=None)] * 3
@@ -136,3 +138,32 @@ def test_the_flags_bad_values_are_named_before_any_gpu_work(tmp_path, flags, err
         parse_rl_args(COMMON + ["--rl-env", "search", "--rl-task", "lookup", *[f.format(tmp=tmp_path) for f in flags]])
     with pytest.raises(ValueError, match="--rl-env-record records the answers of --rl-env, which is not set"):
         parse_rl_args(COMMON + ["--rl-env-record", str(tmp_path / "r.jsonl")])
+
+
+def test_a_step_s_generation_rounds_are_each_played_back(tmp_path):
+    """Dynamic sampling's rounds (each its own sampling seed) through collect_rollouts: recorded,
+    then played back round by round, the same groups; a group of equal rewards refills."""
+    recording = str(tmp_path / "env.jsonl")
+
+    class Late(Drifting):
+        """Rewards 0 for the first round's four answers (no group to learn from: a refill), then
+        alternating, in whatever order the pool's threads answer."""
+
+        answered = itertools.count()
+
+        def step(self, text):
+            observation, _, done = super().step(text)
+            n = next(Late.answered) if done else 0
+            return observation, float(n >= 4 and n % 2), done
+
+    def step(turns):
+        config = RolloutConfig(prompts_per_step=2, group_size=2, environment=Late, dynamic_sampling=True,
+                               max_rounds=3, turns=turns)
+        groups, terms = collect_rollouts(ScriptedEngine(["<s>k</s>", "<a>v</a>$"]), PromptSource(KeyTask(), 0),
+                                         TOK, SAMPLING, config, weight_version=0)
+        metrics = terms.finalize()
+        return [[(r.reward, r.completion_tokens) for r in g] for g in groups], metrics["rollouts/rounds"]
+
+    recorded, rounds = step(TurnConfig(max_turns=3, record=recording))
+    assert rounds > 1 and len(read_recording(recording)) == rounds  # a line a round, each its seed
+    assert step(TurnConfig(max_turns=3, replay=recording)) == (recorded, rounds)
