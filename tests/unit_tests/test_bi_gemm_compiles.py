@@ -1,0 +1,50 @@
+"""The BI GEMMs' kernels compiled for an H100/H200 (sm_90a) on the CPU with the installed Triton and
+ptxas (tests/sm90_spills.py, in a process of its own): every tile the host code can pick compiles
+in each operand layout the forward and backward give it, and none spills registers to local
+memory (a spilled accumulator turns a product's time over). Whether the kernels give the right
+bits is for the other tests."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import triton
+
+from megatron_rl_bi.bi import gemm
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+pytestmark = pytest.mark.skipif(not os.path.exists(PTXAS), reason=f"no ptxas at {PTXAS}")
+
+# (A column-major, B column-major): forward x @ W.T, input gradient dY @ W, weight gradient dY.T @ X
+LAYOUTS = [(False, True), (False, False), (True, False)]
+VARIANTS = [(config, *layout) for *_, config in gemm.TILE_CONFIGS for layout in LAYOUTS]
+# 256x256 over 8 warps: 256 fp32 accumulators a thread, more than the 255 registers it may have
+SPILLING = (gemm.TileConfig(256, 256, 3, 8), False, True)
+
+
+@pytest.fixture(scope="module")
+def spills() -> dict:
+    variants = [[*dataclasses.astuple(config), a_cm, b_cm] for config, a_cm, b_cm in VARIANTS + [SPILLING]]
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "tests.sm90_spills", json.dumps(variants)], cwd=REPO,
+                            env=environment, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_every_picked_tile_compiles_without_spilling(spills):
+    spilled = [variant for variant, bytes_ in zip(VARIANTS, spills["matmul"]) if bytes_]
+    assert not spilled and len(VARIANTS) == 15
+
+
+def test_a_tile_too_large_for_the_registers_is_seen_to_spill(spills):
+    """A check that the spill count is read at all."""
+    assert spills["matmul"][-1] > 0
+
+
+def test_the_grouped_kernel_compiles_without_spilling(spills):
+    assert spills["grouped"] == 0
