@@ -397,11 +397,14 @@ def host_optimizer_bytes(params: int, shape: ModelShape, levers: Levers, data_pa
     return optimizer_bytes(params, shape, levers, data_parallel) if levers.offload_optimizer_during_inference else 0
 
 
+CGROUP_MEMORY_MAX = "/sys/fs/cgroup/memory.max"  # cgroup v2: a number of bytes, or "max"
+
+
 def node_memory_bytes() -> int:
     """This machine's memory, or its cgroup's limit where that is lower (a container's)."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
-        with open("/sys/fs/cgroup/memory.max") as f:
+        with open(CGROUP_MEMORY_MAX) as f:
             limit = f.read().strip()
     except OSError:
         return physical

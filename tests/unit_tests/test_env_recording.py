@@ -16,7 +16,7 @@ from megatron_rl_bi.config.rl_args import parse_rl_args
 from megatron_rl_bi.envs import Example
 from megatron_rl_bi.envs.environment import FAILED, TIMED_OUT
 from megatron_rl_bi.envs import PromptSource
-from megatron_rl_bi.envs.recording import ReplayMismatch, read_recording
+from megatron_rl_bi.envs.recording import EnvironmentCalls, ReplayMismatch, read_recording
 from megatron_rl_bi.envs.sandbox import SandboxConfig
 from megatron_rl_bi.envs.terminal import TerminalTask, terminal_environment
 from megatron_rl_bi.rl.conversations import TurnConfig, run_conversations
@@ -94,6 +94,32 @@ def test_a_run_that_parts_from_its_recording_stops_naming_the_conversation(tmp_p
     shutil.copy(recording, tmp_path / "fewer.jsonl")
     with pytest.raises(ReplayMismatch, match=r"environment call 1 \(open\): the run asks 2 conversations, the recording 3"):
         converse(TurnConfig(max_turns=3, replay=str(tmp_path / "fewer.jsonl")), examples=EXAMPLES[:2])
+
+
+def test_a_run_that_asks_another_kind_of_call_stops_naming_both(tmp_path):
+    """One turn then the cut conversations' scores are recorded; a run of more turns asks for a
+    second turn where the recording has the scores, and, without them, where it has nothing."""
+    class Finishing(Drifting):
+        def finish(self):
+            return 1.0
+
+    scored, unscored = str(tmp_path / "scored.jsonl"), str(tmp_path / "unscored.jsonl")
+    converse(TurnConfig(max_turns=1, record=scored), environment=Finishing)
+    converse(TurnConfig(max_turns=1, record=unscored))
+    with pytest.raises(ReplayMismatch, match=r"environment call 3: the run asks for 'step', the recording has finish"):
+        converse(TurnConfig(max_turns=3, replay=scored), environment=Finishing)
+    with pytest.raises(ReplayMismatch, match=r"environment call 3: the run asks for 'step', the recording has nothing"):
+        converse(TurnConfig(max_turns=3, replay=unscored))
+
+
+def test_what_was_asked_is_compared_as_the_recording_holds_it(tmp_path):
+    """Inputs go through JSON before they are compared: a tuple asked is the list recorded."""
+    recording = str(tmp_path / "env.jsonl")
+    recorder = EnvironmentCalls(11, 1.0, 1, record=recording)
+    assert recorder("open", [("k", 1)], [lambda: "x"])[0].value == "x"
+    recorder.close()
+    player = EnvironmentCalls(11, 1.0, 1, replay=recording)
+    assert player("open", [("k", 1)], [lambda: pytest.fail("called")])[0].value == "x"
 
 
 @pytest.mark.parametrize("name", ["env.jsonl", "env.jsonl.gz"])

@@ -385,6 +385,8 @@ def test_cuda_graphs_hold_a_decode_steps_fp32_logits_while_generating():
 
 def test_a_node_whose_memory_cannot_hold_its_processes_optimizers_is_named():
     assert host_memory_problem(40 * GIB, 3, 125 * GIB, sharded=False) is None
+    assert host_memory_problem(40 * GIB, 3, 120 * GIB, sharded=False) is None  # exactly full
+    assert host_memory_problem(40 * GIB + 1, 3, 120 * GIB, sharded=False) is not None
     problem = host_memory_problem(40 * GIB, 4, 125 * GIB, sharded=False)
     assert problem.startswith("the optimizer takes 40.0 GiB of host memory a training process")
     assert "160.0 GiB for this node's 4; the node has 125.0 GiB: shard it over the GPUs (--use-distributed-optimizer)" in problem
@@ -396,3 +398,20 @@ def test_a_node_whose_memory_cannot_hold_its_processes_optimizers_is_named():
     assert warning.startswith("warning: the optimizers of this node's 1 training process(es) take 115.4 GiB of its "
                               "125.0 GiB of host memory (92%)")
     assert host_memory_warning(40 * GIB, 4, 125 * GIB) is None  # does not fit: the problem says so
+
+
+@pytest.mark.parametrize("limit,expected", [("1048576\n", 1 << 20), ("max\n", None), (str(1 << 62), None),
+                                            (None, None)])
+def test_the_node_s_memory_is_its_cgroup_s_limit_where_that_is_lower(tmp_path, monkeypatch, limit, expected):
+    """A container's limit (cgroup v2's memory.max: bytes, or "max"); the machine's memory where
+    the limit is higher, unlimited or not there."""
+    import os
+
+    from megatron_rl_bi import memory
+
+    path = tmp_path / "memory.max"
+    if limit is not None:
+        path.write_text(limit)
+    monkeypatch.setattr(memory, "CGROUP_MEMORY_MAX", str(path))
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert memory.node_memory_bytes() == (expected or physical)

@@ -206,3 +206,41 @@ def test_optimizers_that_the_node_s_memory_cannot_hold_end_the_run_before_the_gp
     with pytest.raises(SystemExit, match=r"the optimizer takes .* GiB of host memory a training process .* "
                                          r"for this node's 2; the node has .* \(--use-distributed-optimizer\)"):
         pretrain_rl.main(flags)
+
+
+def test_the_host_memory_check_counts_this_node_s_trainers_and_rank_0_warns(pretrain_rl, monkeypatch, capsys):
+    """Two nodes of two processes, the second node's two generators (--rl-generator-ranks 2): the
+    first node's two trainers do not fit 1.5x one's need, the second node has none to hold. On a
+    node of 1.05x one's need, one trainer a node (data parallel 2), only rank 0 prints the warning."""
+    from megatron_rl_bi.memory import parameter_count
+
+    flags = TINY + ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
+    args = pretrain_rl.parse_rl_args(flags)
+    from megatron_rl_bi.config.from_args import memory_run_from_args
+
+    run = memory_run_from_args(args, pretrain_rl.model_vocab_size(args, pretrain_rl.build_tokenizer(
+        args.rl_tokenizer, chat_template=False)), 1, 0)
+    need = 16 * parameter_count(run.model)
+    monkeypatch.setattr(pretrain_rl, "node_memory_bytes", lambda: int(1.5 * need))
+    monkeypatch.setattr(pretrain_rl, "join_world", lambda *a, **k: None)
+    split = flags + ["--rl-generator-ranks", "2"]
+    for name, value in (("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "2"), ("GROUP_RANK", "0"), ("RANK", "0")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit, match=r"for this node's 2; the node has"):
+        pretrain_rl.main(split)
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ReachedTheGPU):
+        pretrain_rl.main(split)
+
+    monkeypatch.setattr(pretrain_rl, "node_memory_bytes", lambda: int(1.05 * need))
+    for name, value in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "1"), ("GROUP_RANK", "1"), ("RANK", "1")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ReachedTheGPU):
+        pretrain_rl.main(flags)
+    assert "warning: the optimizers" not in capsys.readouterr().out
+    monkeypatch.setenv("GROUP_RANK", "0")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ReachedTheGPU):
+        pretrain_rl.main(flags)
+    assert "warning: the optimizers of this node's 1 training process(es)" in capsys.readouterr().out
