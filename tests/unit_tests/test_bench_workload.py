@@ -26,6 +26,23 @@ def test_the_largest_live_storages_are_named_with_their_holders():
     assert part.tensors["weight"].untyped_storage().data_ptr() == whole.tensors["weight"].untyped_storage().data_ptr()
 
 
+def test_the_largest_storages_come_first():
+    small, large = torch.empty(3 << 20, dtype=torch.uint8), torch.empty(5 << 20, dtype=torch.uint8)
+    holders = [ExpertWeights(small), ExpertWeights(large)]
+    sizes = [row["gib"] for row in largest_live_tensors("cpu", 1000)]
+    assert sizes == sorted(sizes, reverse=True) and 5 / 1024 in sizes and 3 / 1024 in sizes
+    assert len(holders) == 2
+
+
+def test_a_bi_report_whose_parity_is_not_0_exits_1_after_it_is_written():
+    from bench.workload import check_bi_parity
+
+    check_bi_parity({"bi": {"parity_max": 0.0}, "default": {"parity_max": 0.5}})
+    check_bi_parity({"default": {"parity_max": 0.5}})  # default mode alone (--bench-mode default)
+    with pytest.raises(SystemExit, match=r"BI parity broken: engine vs trainer max \|diff\| 0.25"):
+        check_bi_parity({"bi": {"parity_max": 0.25}})
+
+
 class Parameter:
     """Holds a view of a buffer as an attribute, as megatron-core's parameters hold `main_grad`."""
 
@@ -58,16 +75,19 @@ def test_the_modes_run_in_order_on_the_first_s_weights_and_the_weights_travel_by
     args.seed, args.cuda_graph_impl = 1, "none"
     monkeypatch.setattr(workload, "parse_args", lambda extra_args_provider: args)
     for name in ("validate_batch_invariance", "validate_installed_kernels", "print_arguments",
-                 "initialize_distributed", "release_first_mode"):
+                 "initialize_distributed"):
         monkeypatch.setattr(workload, name, lambda *a, **k: None)
     monkeypatch.setattr(workload.torch.distributed, "destroy_process_group", lambda: None)
     seen = []
+    monkeypatch.setattr(workload, "release_first_mode", lambda: seen.append("released"))
 
     def measure(args, batch_invariant, weights):
         seen.append((batch_invariant, weights["w"].tolist()))
         return {"parity_max": 0.0}, {"w": weights["w"] + 1}
 
     _, report = workload.run_modes(None, measure)
+    assert seen.count("released") == len(modes) - 1 and seen[0] != "released"  # before the second mode
+    seen = [entry for entry in seen if entry != "released"]
     assert [mode for mode, _ in seen] == modes
     assert [w for _, w in seen] == [[1.0 + i, 2.0 + i] for i in range(len(modes))]  # each on the one before's
     assert torch.load(saved)["w"].tolist() == [1.0 + len(modes), 2.0 + len(modes)]
