@@ -328,3 +328,72 @@ def test_the_unisolated_mode_says_so_and_is_not_isolated(python, tmp_path, capsy
     secret.write_text("visible")
     assert run_python(f"print(open({str(secret)!r}).read())", environment.sandbox_config) == "visible\n"
     assert "(killed after 1 s)" in run_python("import time\ntime.sleep(5)", config(python, isolated=False, seconds=1))
+    # its bound kills the program's process group: a child still in it goes too
+    tag = uuid.uuid4().hex
+    program = (f"import os, sys, time\nif os.fork() == 0:\n"
+               f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(30)', {tag!r}])\n"
+               "time.sleep(30)")
+    assert "(killed after 1 s)" in run_python(program, config(python, isolated=False, seconds=1))
+    time.sleep(0.3)
+    assert processes_with(tag) == []
+
+
+def test_only_regular_files_are_sent_back(python):
+    """A link is not followed (it could name a file of the sandbox's own, or nothing), nor a FIFO
+    opened (its open would wait for a writer until the host's bound)."""
+    command = ["/bin/sh", "-c", "echo kept > a; ln -s a link; ln -s /usr/lib libraries; mkfifo pipe; mkdir -p d/e"]
+    started = time.monotonic()
+    result, kept = sandbox.run_keeping_files(config(python, shell=True), command, {})
+    assert result.returncode == 0 and time.monotonic() - started < 5
+    assert {path: file.data for path, file in kept.items()} == {"a": b"kept\n"}
+
+
+def test_the_program_runs_in_a_session_of_its_own(python):
+    """bubblewrap's --new-session: the program's session leader is inside the sandbox (its id 0
+    there would be the host's session, whose terminal a TIOCSTI ioctl could type into)."""
+    assert inside(python, "import os\nprint(os.getsid(0) > 0)") == "True\n"
+
+
+HOST = """
+import sys
+from megatron_rl_bi.envs import sandbox
+from megatron_rl_bi.envs.code import run_python
+from tests.sandbox_fixtures import run_outside
+program, python, how = sys.argv[1:4]
+print("started", flush=True)
+if how == "inside":
+    run_python(program, sandbox.SandboxConfig(python=python, seconds=30.0))
+else:
+    run_outside(program, python, seconds=30.0)
+"""
+
+
+def _killed_host_leaves(python: str, how: str) -> list[int]:
+    """The processes of a program still alive 1 s after the process that ran it (`how`: inside the
+    sandbox, or as its plain child) was killed."""
+    tag = uuid.uuid4().hex
+    program = f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(30)', {tag!r}])"
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    host = subprocess.Popen([sys.executable, "-c", HOST, program, python, how], cwd=repo, stdout=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": repo})
+    try:
+        assert host.stdout.readline() == b"started\n"
+        deadline = time.monotonic() + 20
+        while not set(processes_with(tag)) - {host.pid} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert set(processes_with(tag)) - {host.pid}, "the program never started"
+    finally:
+        host.kill()
+        host.wait()
+    time.sleep(1.0)
+    left = processes_with(tag)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def test_the_sandbox_dies_with_the_process_that_ran_it(python):
+    """A trainer killed mid-turn (the OOM killer, a job's time limit) leaves no program running:
+    bubblewrap's --die-with-parent; a plain child of the killed process lives on."""
+    assert _killed_host_leaves(python, "outside")
+    assert _killed_host_leaves(python, "inside") == []
