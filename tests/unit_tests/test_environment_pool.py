@@ -40,6 +40,14 @@ def test_a_queued_call_has_its_whole_limit_from_its_own_start():
     assert [(o.value, o.problem) for o in outcomes] == [(1, None), (2, None)]
 
 
+def test_a_call_that_ran_beside_an_earlier_one_is_timed_from_its_own_start_not_the_earlier_s_end():
+    """Two workers: both calls start at once; the first ends at 0.5 s, the second runs 1.2 s past
+    its 1 s limit, which must not restart when the pool turns to it at 0.5 s."""
+    outcomes = EnvironmentPool(2).call_all([lambda: time.sleep(0.5) or 1, lambda: time.sleep(1.2) or 2],
+                                           timeout_s=1.0)
+    assert [(o.value, o.problem) for o in outcomes] == [(1, None), (None, TIMED_OUT)]
+
+
 def _within(seconds, function):
     """function()'s value, or a failure when it has not returned within `seconds` (a pool that
     lost its worker would wait forever)."""
