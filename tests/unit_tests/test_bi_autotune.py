@@ -2,6 +2,9 @@
 runs, whatever the timings say, and reads no pick made otherwise. The autotuner is Triton's own;
 the kernel behind it is a stand-in that records the configuration it ran with."""
 
+import threading
+import time
+
 import pytest
 from triton import Config
 from triton.runtime.autotuner import Autotuner
@@ -98,3 +101,45 @@ def test_the_switch_installs_and_removes_it(switch_off):
     assert autotune.installed()
     bi.disable()
     assert not autotune.installed()
+
+
+
+class InterleavingKernel(StandInKernel):
+    """The run of thread "first" waits (at most 0.5 s) until thread "second" runs too; the run
+    of "second" then waits until "first" has ended: a tuning still under way when a second thread
+    calls the same autotuner (the engine generating ahead beside the trainer), and ending after."""
+
+    def __init__(self):
+        super().__init__()
+        self.second_runs, self.first_ended = threading.Event(), threading.Event()
+
+    def run(self, *args, BLOCK, **options):
+        if threading.current_thread().name == "first":
+            self.second_runs.wait(0.5)
+        else:
+            self.second_runs.set()
+            self.first_ended.wait(0.5)
+        super().run(*args, BLOCK=BLOCK, **options)
+
+
+def test_two_threads_tuning_at_once_leave_the_autotuner_as_it_was(switch_off):
+    """One untimed tuning at a time: interleaved, the second saves the first's swapped-in state
+    as the autotuner's own and puts it back last, and the switch off then keeps untimed picks."""
+    kernel = InterleavingKernel()
+    tuner = autotuner(kernel)
+    tuner.cache_results = False
+    bi.enable()
+
+    def first():
+        tuner.run(1)
+        kernel.first_ended.set()
+
+    threads = [threading.Thread(target=first, name="first"), threading.Thread(target=tuner.run, args=(2,),
+                                                                               name="second")]
+    threads[0].start()
+    time.sleep(0.05)  # the first is tuning
+    threads[1].start()
+    for thread in threads:
+        thread.join()
+    bi.disable()
+    assert picked(tuner, kernel, 3) == 64  # timed again: the autotuner's own state is back
