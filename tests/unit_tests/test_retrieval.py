@@ -72,11 +72,12 @@ def test_a_turns_searches_go_in_one_request_and_each_gets_its_own_passages(bm25_
 class _Flaky(BaseHTTPRequestHandler):
     """Answers 500 to its first `failures` requests (or sleeps `delay_s` on each), then the protocol."""
 
-    failures, delay_s, seen = 0, 0.0, 0
+    failures, delay_s, seen, bodies = 0, 0.0, 0, ()
 
     def do_POST(self):
         type(self).seen += 1
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies += (body,)
         time.sleep(self.delay_s)
         failing = type(self).seen <= self.failures
         data = json.dumps({"error": "boom"} if failing else
@@ -91,7 +92,7 @@ class _Flaky(BaseHTTPRequestHandler):
 
 
 def flaky_server(failures=0, delay_s=0.0):
-    handler = type("Handler", (_Flaky,), {"failures": failures, "delay_s": delay_s, "seen": 0})
+    handler = type("Handler", (_Flaky,), {"failures": failures, "delay_s": delay_s, "seen": 0, "bodies": ()})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     return server, serving(server), handler
 
@@ -100,7 +101,21 @@ def test_a_server_error_is_retried_then_answered():
     server, url, handler = flaky_server(failures=2)
     retriever = RemoteRetriever(url, retries=2, backoff_s=0.01, gather_s=0.0)
     assert retriever.search("x", 1) == ["about x"] and handler.seen == 3
+    assert handler.bodies == ({"queries": ["x"], "topk": 1, "return_scores": True},) * 3  # Search-R1's request
     server.shutdown()
+
+
+def test_retries_wait_twice_as_long_each_time(monkeypatch):
+    from megatron_rl_bi.envs import retrieval
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
+    url = f"http://127.0.0.1:{server.server_address[1]}/retrieve"
+    server.server_close()  # nothing listens there: each attempt fails at once
+    waits = []
+    monkeypatch.setattr(retrieval.time, "sleep", waits.append)
+    with pytest.raises(RetrievalError, match="no answer after 4 attempts"):
+        RemoteRetriever(url, retries=3, backoff_s=0.25).retrieve(["x"], 1)
+    assert waits == [0.25, 0.5, 1.0]
 
 
 def test_a_server_that_keeps_failing_fails_only_its_samples_counted():
