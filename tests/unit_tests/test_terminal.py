@@ -196,6 +196,8 @@ def test_a_turn_without_an_action_is_told_so(environment, tmp_path):
     env = opened(environment, tmp_path)
     observation, reward, done = env.step("ls")
     assert "<bash>command</bash> or <done></done>" in observation and (reward, done) == (0.0, False)
+    # the command is what follows the turn's last <bash>: text before it is the model's, not the shell's
+    assert env.step("let me try <bash> no, <bash>echo hi</bash>")[0] == "\n<output>hi\n</output>\n"
 
 
 def test_a_conversation_cut_by_the_turn_limit_is_scored_by_finish():
@@ -225,12 +227,20 @@ def test_a_conversation_cut_by_the_turn_limit_is_scored_by_finish():
     ({"tests": {"/etc/x": "a"}}, "field 'tests': file '/etc/x': expected a relative path"),
     ({"files": {"a": 1}}, "field 'files' must be an object of path -> text"),
     ({"seconds": 0}, "field 'seconds' must be a number > 0"),
+    ({"seconds": True}, "field 'seconds' must be a number > 0"),  # JSON true is not 1 second
     ({"solution": ""}, "field 'solution' must be a non-empty string"),
 ])
 def test_a_bad_task_line_is_named(tmp_path, change, error):
     path = task_file(tmp_path, SORT_TASK, {**SORT_TASK, **change})
     with pytest.raises(ValueError, match=f"^{path}:2: {error}"):
         read_tasks(path)
+
+
+def test_a_task_file_without_tasks_is_named(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n  \n")
+    with pytest.raises(ValueError, match=f"^{path}: no tasks$"):
+        read_tasks(str(path))
 
 
 def test_the_warm_up_needs_every_solution_and_shows_its_real_output(config, tmp_path):
