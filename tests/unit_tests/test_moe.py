@@ -66,6 +66,14 @@ def test_the_combine_adds_in_fp32_and_rounds_once():
     assert (rows[0] + rows[1] + rows[2]).item() == 1.0
 
 
+def test_the_combine_adds_a_tokens_rows_in_ascending_expert_order():
+    """Experts 0, 1, 2 give 2^24, 1, -2^24: (2^24 + 1) - 2^24 = 0 in fp32 (2^24 + 1 rounds to
+    2^24); from the last expert, (-2^24 + 1) + 2^24 = 1."""
+    slots = moe.expert_slots(torch.tensor([[1, 1, 1]], dtype=torch.bool), 3)
+    rows = torch.tensor([[2.0**24], [1.0], [-(2.0**24)]])
+    assert moe._Combine.apply(rows, slots.token_of_row, slots.rows_of_token).item() == 0.0
+
+
 HIDDEN, EXPERTS, TOPK = 16, 4, 2
 
 
@@ -305,3 +313,14 @@ def test_without_autograd_the_experts_run_at_once_with_each_experts_bits(moe_lay
     with torch.no_grad():
         layer(tokens)
     assert len(calls) == 2 and torch.equal(at_once, one_after_another.detach())
+
+
+def test_experts_with_biases_run_one_after_another(moe_layer, monkeypatch):
+    """The grouped GEMM adds no bias: a layer whose linears have one keeps megatron-core's path."""
+    from megatron_rl_bi.bi import grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "grouped_matmul", lambda *a: pytest.fail("grouped with biases"))
+    layer = moe_layer(add_bias_linear=True)
+    with bi.batch_invariant(True), torch.no_grad():
+        out, _ = layer(tied_tokens(8))
+    assert out.shape == (8, 1, HIDDEN)
