@@ -22,6 +22,17 @@ ENGINE = EngineConfig(max_requests=64, max_tokens=8192, max_sequence_length=1024
                       buffer_size_gb=4.0, prompt_logprobs=True)
 
 
+def test_stable_topk_keeps_the_lowest_index_of_equal_scores_on_the_gpu():
+    """torch's CUDA sort keeps equal values in no fixed order unless asked to be stable (its CPU
+    sort keeps them in order either way, so the CPU tests cannot tell): one larger score, then
+    the ties by lowest index, in every row."""
+    from megatron_rl_bi.models.moe import stable_topk
+
+    scores = torch.zeros(256, 128, device="cuda")
+    scores[:, 100] = 1.0
+    assert torch.equal(stable_topk(scores, 4).indices.cpu(), torch.tensor([100, 0, 1, 2]).expand(256, 4))
+
+
 @pytest.fixture(scope="module", params=list(MODELS))
 def model(request, distributed):
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker

@@ -324,3 +324,10 @@ def test_experts_with_biases_run_one_after_another(moe_layer, monkeypatch):
     with bi.batch_invariant(True), torch.no_grad():
         out, _ = layer(tied_tokens(8))
     assert out.shape == (8, 1, HIDDEN)
+
+
+def test_whether_the_experts_group_is_asked_for_each_dtype(moe_layer):
+    """Cached per dtype and device: fp16 weights group fp16 rows, not bf16 ones."""
+    experts = moe_layer().experts
+    cpu = torch.device("cpu")
+    assert experts._weights_groupable(torch.float16, cpu) and not experts._weights_groupable(torch.bfloat16, cpu)
