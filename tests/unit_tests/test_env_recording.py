@@ -44,6 +44,13 @@ class Drifting(KeyValue):
         return "", float(next(Drifting.answers) % 2), True
 
 
+class Finishing(Drifting):
+    """Scores a cut conversation, never the same twice."""
+
+    def finish(self):
+        return 0.5 + next(Drifting.answers)
+
+
 def converse(config, engine_turns=("<s>k</s>", "<a>v</a>$"), environment=Drifting, examples=EXAMPLES,
              sampling=SAMPLING, context=64):
     engine = ScriptedEngine(list(engine_turns), max_sequence_length=context)
@@ -63,10 +70,6 @@ def test_a_replayed_run_calls_no_environment_and_equals_the_recorded_one(tmp_pat
 
 
 def test_failures_timeouts_and_cut_conversations_scores_are_played_back(tmp_path):
-    class Finishing(Drifting):
-        def finish(self):
-            return 0.5 + next(Drifting.answers)
-
     recording = str(tmp_path / "env.jsonl")
     examples = [Example(prompt="find k\n", answer=a, verify=None) for a in ("bad", "slow", "nan", "v", "v")]
     Broken.builds_left = 4  # the fifth fails to build
@@ -99,10 +102,6 @@ def test_a_run_that_parts_from_its_recording_stops_naming_the_conversation(tmp_p
 def test_a_run_that_asks_another_kind_of_call_stops_naming_both(tmp_path):
     """One turn then the cut conversations' scores are recorded; a run of more turns asks for a
     second turn where the recording has the scores, and, without them, where it has nothing."""
-    class Finishing(Drifting):
-        def finish(self):
-            return 1.0
-
     scored, unscored = str(tmp_path / "scored.jsonl"), str(tmp_path / "unscored.jsonl")
     converse(TurnConfig(max_turns=1, record=scored), environment=Finishing)
     converse(TurnConfig(max_turns=1, record=unscored))

@@ -179,19 +179,28 @@ def test_the_launch_check_says_each_process_role_with_generators_apart():
     assert "launch check passed: 2 processes on 1 nodes" in result.stdout
 
 
+OFFLOADED = TINY + ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
+
+
+def _offloaded_host_need(pretrain_rl) -> tuple[int, int]:
+    """The tiny recipe's optimizer on the CPU: (host bytes one training process takes, parameters)."""
+    from megatron_rl_bi.config.from_args import levers_from_args, memory_run_from_args
+    from megatron_rl_bi.memory import host_optimizer_bytes, parameter_count
+
+    args = pretrain_rl.parse_rl_args(OFFLOADED)
+    run = memory_run_from_args(args, pretrain_rl.model_vocab_size(args, pretrain_rl.build_tokenizer(
+        args.rl_tokenizer, chat_template=False)), 1, 0)
+    params = parameter_count(run.model)
+    return host_optimizer_bytes(params, run.model, levers_from_args(args), 1), params
+
+
 def test_optimizers_that_the_node_s_memory_cannot_hold_end_the_run_before_the_gpu(pretrain_rl, monkeypatch, capsys):
     """--optimizer-cpu-offload keeps 16 bytes a parameter on the host: two training processes of
     the tiny model on a node of 1.5x one's need are refused, naming the flags; one is not, and is
     warned on a node of 1.05x its need."""
-    from megatron_rl_bi.config.from_args import levers_from_args, memory_run_from_args
-    from megatron_rl_bi.memory import host_optimizer_bytes, parameter_count
-
-    flags = TINY + ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
-    args = pretrain_rl.parse_rl_args(flags)
-    run = memory_run_from_args(args, pretrain_rl.model_vocab_size(args, pretrain_rl.build_tokenizer(
-        args.rl_tokenizer, chat_template=False)), 1, 0)
-    need = host_optimizer_bytes(parameter_count(run.model), run.model, levers_from_args(args), 1)
-    assert need == 16 * parameter_count(run.model)
+    flags = OFFLOADED
+    need, params = _offloaded_host_need(pretrain_rl)
+    assert need == 16 * params
     monkeypatch.setattr(pretrain_rl, "node_memory_bytes", lambda: int(1.5 * need))
     with pytest.raises(ReachedTheGPU):
         pretrain_rl.main(flags)
@@ -212,15 +221,9 @@ def test_the_host_memory_check_counts_this_node_s_trainers_and_rank_0_warns(pret
     """Two nodes of two processes, the second node's two generators (--rl-generator-ranks 2): the
     first node's two trainers do not fit 1.5x one's need, the second node has none to hold. On a
     node of 1.05x one's need, one trainer a node (data parallel 2), only rank 0 prints the warning."""
-    from megatron_rl_bi.memory import parameter_count
-
-    flags = TINY + ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
-    args = pretrain_rl.parse_rl_args(flags)
-    from megatron_rl_bi.config.from_args import memory_run_from_args
-
-    run = memory_run_from_args(args, pretrain_rl.model_vocab_size(args, pretrain_rl.build_tokenizer(
-        args.rl_tokenizer, chat_template=False)), 1, 0)
-    need = 16 * parameter_count(run.model)
+    flags = OFFLOADED
+    need, params = _offloaded_host_need(pretrain_rl)
+    assert need == 16 * params
     monkeypatch.setattr(pretrain_rl, "node_memory_bytes", lambda: int(1.5 * need))
     monkeypatch.setattr(pretrain_rl, "join_world", lambda *a, **k: None)
     split = flags + ["--rl-generator-ranks", "2"]
