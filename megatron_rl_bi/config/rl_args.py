@@ -553,9 +553,10 @@ def multi_turn_errors(args: argparse.Namespace) -> list[str]:
         errors.append(f"--rl-env-timeout must be > 0 seconds, got {args.rl_env_timeout}")
     if args.rl_env_record and args.rl_env_replay:
         errors.append("--rl-env-record and --rl-env-replay exclude each other: a replayed run calls no environment")
-    for flag, path in (("--rl-env-record", args.rl_env_record), ("--rl-env-replay", args.rl_env_replay)):
+    for flag, path, verb in (("--rl-env-record", args.rl_env_record, "records"),
+                             ("--rl-env-replay", args.rl_env_replay, "plays back")):
         if path and not args.rl_env:
-            errors.append(f"{flag} records the answers of --rl-env, which is not set")
+            errors.append(f"{flag} {verb} the answers of --rl-env, which is not set")
     if args.rl_env_workers is not None and args.rl_env_workers < 1:
         errors.append(f"--rl-env-workers must be >= 1, got {args.rl_env_workers}")
     if args.rl_max_context_tokens is not None and not args.rl_max_context_tokens >= 2:

@@ -32,15 +32,15 @@ class ReplayMismatch(ValueError):
     """The run asked its environment something the recording's run did not."""
 
 
-def _open_text(path: str, mode: str):
-    return (gzip.open if path.endswith(".gz") else open)(path, mode + "t", encoding="utf-8")
+def _read_text(path: str):
+    return (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8")
 
 
 @functools.cache
 def read_recording(path: str) -> dict[int, list[dict]]:
     """The recording's lines by seed, in file order (read once a process)."""
     by_seed = defaultdict(list)
-    with _open_text(path, "r") as f:
+    with _read_text(path) as f:
         for number, line in enumerate(f, start=1):
             if line.strip():
                 record = parse_object(line, path, number)

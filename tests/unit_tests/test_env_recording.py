@@ -163,6 +163,8 @@ def test_the_flags_bad_values_are_named_before_any_gpu_work(tmp_path, flags, err
         parse_rl_args(COMMON + ["--rl-env", "search", "--rl-task", "lookup", *[f.format(tmp=tmp_path) for f in flags]])
     with pytest.raises(ValueError, match="--rl-env-record records the answers of --rl-env, which is not set"):
         parse_rl_args(COMMON + ["--rl-env-record", str(tmp_path / "r.jsonl")])
+    with pytest.raises(ValueError, match="--rl-env-replay plays back the answers of --rl-env, which is not set"):
+        parse_rl_args(COMMON + ["--rl-env-replay", str(tmp_path / "r.jsonl")])
 
 
 def test_a_step_s_generation_rounds_are_each_played_back(tmp_path):
