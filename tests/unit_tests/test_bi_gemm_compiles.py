@@ -11,12 +11,12 @@ import subprocess
 import sys
 
 import pytest
-import triton
 
 from megatron_rl_bi.bi import gemm
 
+from ..sm90_spills import PTXAS
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 pytestmark = pytest.mark.skipif(not os.path.exists(PTXAS), reason=f"no ptxas at {PTXAS}")
 
 # (A column-major, B column-major): forward x @ W.T, input gradient dY @ W, weight gradient dY.T @ X
