@@ -103,7 +103,6 @@ def test_the_switch_installs_and_removes_it(switch_off):
     assert not autotune.installed()
 
 
-
 class InterleavingKernel(StandInKernel):
     """The run of thread "first" waits (at most 0.5 s) until thread "second" runs too; the run
     of "second" then waits until "first" has ended: a tuning still under way when a second thread

@@ -182,8 +182,9 @@ def test_the_launch_check_says_each_process_role_with_generators_apart():
 OFFLOADED = TINY + ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
 
 
-def _offloaded_host_need(pretrain_rl) -> tuple[int, int]:
-    """The tiny recipe's optimizer on the CPU: (host bytes one training process takes, parameters)."""
+def _offloaded_host_need(pretrain_rl) -> int:
+    """The tiny recipe's optimizer on the CPU: the host bytes one training process takes, 16 a
+    parameter."""
     from megatron_rl_bi.config.from_args import levers_from_args, memory_run_from_args
     from megatron_rl_bi.memory import host_optimizer_bytes, parameter_count
 
@@ -191,42 +192,40 @@ def _offloaded_host_need(pretrain_rl) -> tuple[int, int]:
     run = memory_run_from_args(args, pretrain_rl.model_vocab_size(args, pretrain_rl.build_tokenizer(
         args.rl_tokenizer, chat_template=False)), 1, 0)
     params = parameter_count(run.model)
-    return host_optimizer_bytes(params, run.model, levers_from_args(args), 1), params
+    need = host_optimizer_bytes(params, run.model, levers_from_args(args), 1)
+    assert need == 16 * params
+    return need
 
 
 def test_optimizers_that_the_node_s_memory_cannot_hold_end_the_run_before_the_gpu(pretrain_rl, monkeypatch, capsys):
     """--optimizer-cpu-offload keeps 16 bytes a parameter on the host: two training processes of
     the tiny model on a node of 1.5x one's need are refused, naming the flags; one is not, and is
     warned on a node of 1.05x its need."""
-    flags = OFFLOADED
-    need, params = _offloaded_host_need(pretrain_rl)
-    assert need == 16 * params
+    need = _offloaded_host_need(pretrain_rl)
     monkeypatch.setattr(pretrain_rl, "node_memory_bytes", lambda: int(1.5 * need))
     with pytest.raises(ReachedTheGPU):
-        pretrain_rl.main(flags)
+        pretrain_rl.main(OFFLOADED)
     assert "warning: the optimizers" not in capsys.readouterr().out
     monkeypatch.setattr(pretrain_rl, "node_memory_bytes", lambda: int(1.05 * need))
     with pytest.raises(ReachedTheGPU):
-        pretrain_rl.main(flags)
+        pretrain_rl.main(OFFLOADED)
     assert "warning: the optimizers of this node's 1 training process(es) take" in capsys.readouterr().out
     monkeypatch.setattr(pretrain_rl, "node_memory_bytes", lambda: int(1.5 * need))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit, match=r"the optimizer takes .* GiB of host memory a training process .* "
                                          r"for this node's 2; the node has .* \(--use-distributed-optimizer\)"):
-        pretrain_rl.main(flags)
+        pretrain_rl.main(OFFLOADED)
 
 
 def test_the_host_memory_check_counts_this_node_s_trainers_and_rank_0_warns(pretrain_rl, monkeypatch, capsys):
     """Two nodes of two processes, the second node's two generators (--rl-generator-ranks 2): the
     first node's two trainers do not fit 1.5x one's need, the second node has none to hold. On a
     node of 1.05x one's need, one trainer a node (data parallel 2), only rank 0 prints the warning."""
-    flags = OFFLOADED
-    need, params = _offloaded_host_need(pretrain_rl)
-    assert need == 16 * params
+    need = _offloaded_host_need(pretrain_rl)
     monkeypatch.setattr(pretrain_rl, "node_memory_bytes", lambda: int(1.5 * need))
     monkeypatch.setattr(pretrain_rl, "join_world", lambda *a, **k: None)
-    split = flags + ["--rl-generator-ranks", "2"]
+    split = OFFLOADED + ["--rl-generator-ranks", "2"]
     for name, value in (("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "2"), ("GROUP_RANK", "0"), ("RANK", "0")):
         monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit, match=r"for this node's 2; the node has"):
@@ -240,10 +239,10 @@ def test_the_host_memory_check_counts_this_node_s_trainers_and_rank_0_warns(pret
     for name, value in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "1"), ("GROUP_RANK", "1"), ("RANK", "1")):
         monkeypatch.setenv(name, value)
     with pytest.raises(ReachedTheGPU):
-        pretrain_rl.main(flags)
+        pretrain_rl.main(OFFLOADED)
     assert "warning: the optimizers" not in capsys.readouterr().out
     monkeypatch.setenv("GROUP_RANK", "0")
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ReachedTheGPU):
-        pretrain_rl.main(flags)
+        pretrain_rl.main(OFFLOADED)
     assert "warning: the optimizers of this node's 1 training process(es)" in capsys.readouterr().out

@@ -17,6 +17,7 @@ from megatron_rl_bi.envs import sandbox
 from megatron_rl_bi.envs.code import code_environment, run_python
 
 from ..sandbox_fixtures import run_outside, sandbox_python
+from .example_scripts import REPO
 
 
 @pytest.fixture(scope="module")
@@ -373,9 +374,8 @@ def _killed_host_leaves(python: str, how: str) -> list[int]:
     sandbox, or as its plain child) was killed."""
     tag = uuid.uuid4().hex
     program = f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(30)', {tag!r}])"
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    host = subprocess.Popen([sys.executable, "-c", HOST, program, python, how], cwd=repo, stdout=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": repo})
+    host = subprocess.Popen([sys.executable, "-c", HOST, program, python, how], cwd=REPO, stdout=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": REPO})
     try:
         assert host.stdout.readline() == b"started\n"
         deadline = time.monotonic() + 20
