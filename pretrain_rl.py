@@ -28,6 +28,7 @@ from megatron_rl_bi.config.from_args import (
     engine_shape,
     levers_from_args,
     loop_config_from_args,
+    memory_history_from_args,
     memory_run_from_args,
     model_vocab_size,
     rollout_config_from_args,
@@ -58,6 +59,7 @@ from megatron_rl_bi.memory import (
 from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.optimizer import build_ddp_and_optimizer, build_lr_scheduler
 from megatron_rl_bi.reporting.metrics import MetricsLogger
+from megatron_rl_bi.reporting.profiling import start_memory_history
 from megatron_rl_bi.reporting.provenance import provenance
 from megatron_rl_bi.reporting.samples import SampleWriter
 from megatron_rl_bi.rl.generator_apart import rank_batches, rank_validation, serve_generation
@@ -229,6 +231,7 @@ def start_processes(inputs: RunInputs) -> Bridge | None:
     if roles.generators:
         join_world(roles, "nccl")
     initialize_distributed(args.seed, cuda_graphs=args.cuda_graph_impl == "local", share_gpus=bool(roles.generators))
+    start_memory_history(memory_history_from_args(args))
     if not roles.generators:
         return None
     return Bridge(roles, args.refit_method, args.rl_generator_timeout, *bridge_address())

@@ -16,7 +16,7 @@ from megatron_rl_bi.inference import EngineConfig, Sampling
 from megatron_rl_bi.memory import EngineShape, GIB, Levers, ModelShape, Recompute, RunShape
 from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.models.gpt_spec import moe_layers
-from megatron_rl_bi.reporting.profiling import ProfileConfig
+from megatron_rl_bi.reporting.profiling import MemoryHistoryConfig, ProfileConfig
 from megatron_rl_bi.rl.loop import LoopConfig
 from megatron_rl_bi.rl.conversations import TurnConfig
 from megatron_rl_bi.rl.losses import LossConfig
@@ -134,6 +134,7 @@ def loop_config_from_args(args: argparse.Namespace) -> LoopConfig:
         exit_signal=args.exit_signal if args.exit_signal_handler else None,
         offload_optimizer_during_inference=args.rl_offload_optimizer_during_inference,
         profile=_profile_from_args(args),
+        memory_history=memory_history_from_args(args),
     )
 
 
@@ -143,6 +144,12 @@ def _profile_from_args(args: argparse.Namespace) -> ProfileConfig | None:
     return ProfileConfig(start=args.profile_step_start, end=args.profile_step_end, ranks=tuple(args.profile_ranks),
                          output_dir=args.tensorboard_dir if args.use_pytorch_profiler else None,
                          shapes=args.pytorch_profiler_collect_shapes, stack=args.pytorch_profiler_collect_callstack)
+
+
+def memory_history_from_args(args: argparse.Namespace) -> MemoryHistoryConfig | None:
+    if not args.record_memory_history:
+        return None
+    return MemoryHistoryConfig(path=args.memory_snapshot_path, ranks=tuple(args.profile_ranks))
 
 
 def model_shape_from_args(args: argparse.Namespace, vocab_size: int) -> ModelShape:

@@ -300,9 +300,6 @@ UNUSED_MEGATRON_FLAGS = {
     "--nvtx-ranges": "no NVTX ranges are added; --profile marks the traced steps for nsys",
     "--record-shapes": "it is for NVTX ranges, which are not added (--pytorch-profiler-collect-shapes)",
     "--pytorch-profiler-collect-chakra": "--use-pytorch-profiler writes a trace and an op table",
-    "--record-memory-history": "each step records the peak of its generation and training phases beside "
-                               "the memory plan",
-    "--memory-snapshot-path": "it goes with --record-memory-history, which is not used",
 }
 
 
@@ -314,12 +311,15 @@ def given_flags(argv: list[str], recipe: dict) -> set[str]:
 
 def unused_flag_errors(given: set[str]) -> list[str]:
     """An error for each flag of UNUSED_MEGATRON_FLAGS among those `given` (silently ignoring it
-    would run another job than the one asked for), and for two flags that size the KV cache."""
+    would run another job than the one asked for), for a flag given without the one it goes with,
+    and for two flags that size the KV cache."""
     errors = [f"{flag}: not used by pretrain_rl.py ({why})"
               for flag, why in UNUSED_MEGATRON_FLAGS.items() if flag in given]
     if "--refit-method" in given and "--rl-generator-ranks" not in given:
         errors.append("--refit-method: weights are sent only to generator ranks (--rl-generator-ranks); "
                       "without them the engine runs on the trainer's own module")
+    if "--memory-snapshot-path" in given and "--record-memory-history" not in given:
+        errors.append("--memory-snapshot-path: a snapshot is written only with --record-memory-history")
     if {"--rl-kv-cache-memory-fraction", "--inference-dynamic-batching-buffer-size-gb"} <= given:
         errors.append("--rl-kv-cache-memory-fraction and --inference-dynamic-batching-buffer-size-gb "
                       "both size the KV cache: give one")

@@ -4,13 +4,20 @@ the ranks in --profile-ranks (every rank when empty) are traced, generation and 
   --capture-range=cudaProfilerApi --capture-range-end=stop`;
 - `--profile --use-pytorch-profiler`: torch.profiler records them; each rank writes its trace
   (Perfetto or chrome://tracing) and a table of the ops that took the most GPU time into
-  --tensorboard-dir."""
+  --tensorboard-dir.
+`--record-memory-history` (megatron's, with --memory-snapshot-path and --profile-ranks) records
+the caching allocator's events from before the model is built; after each RL step a recording rank
+writes the newest of them (the step's generation and training) as a snapshot for
+pytorch.org/memory_viz, and megatron's out-of-memory observer writes one where an allocation
+fails."""
 
 import contextlib
 import os
 from dataclasses import dataclass
 
 import torch
+from megatron.training.config import ProfilingConfig
+from megatron.training.utils.utils import start_memory_history_recording
 
 
 @dataclass(frozen=True)
@@ -29,11 +36,47 @@ class ProfileConfig:
     """Python call stacks (--pytorch-profiler-collect-callstack)."""
 
 
+@dataclass(frozen=True)
+class MemoryHistoryConfig:
+    path: str
+    """The snapshot file (--memory-snapshot-path); a rank of several writes PATH_rank-R.EXT."""
+    ranks: tuple[int, ...] = ()
+    """The recording ranks (--profile-ranks); empty: every rank."""
+
+
+def start_memory_history(config: MemoryHistoryConfig | None) -> None:
+    """Megatron's recording of the allocator's events (up to 100,000, with their Python stacks),
+    started before the model is built so its weights are in the history."""
+    if config is None:
+        return
+    start_memory_history_recording(ProfilingConfig(record_memory_history=True, memory_snapshot_path=config.path,
+                                                   profile_ranks=list(config.ranks)))
+
+
+class MemorySnapshots:
+    def __init__(self, config: MemoryHistoryConfig | None):
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.path = None
+        if config and (not config.ranks or rank in config.ranks):
+            base, ext = os.path.splitext(config.path)
+            self.path = config.path if world_size == 1 else f"{base}_rank-{rank}{ext}"
+
+    def after_step(self) -> None:
+        """The newest events, in place of the last step's (written whole, then renamed: a run
+        stopped while writing leaves the previous snapshot)."""
+        if self.path is None:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        torch.cuda.memory._dump_snapshot(self.path + ".tmp")
+        os.replace(self.path + ".tmp", self.path)
+
+
 class StepProfiler:
-    def __init__(self, config: ProfileConfig | None, rank: int):
+    def __init__(self, config: ProfileConfig | None, rank: int, snapshots: MemorySnapshots | None = None):
         self.config = config if config and (not config.ranks or rank in config.ranks) else None
         self.rank = rank
         self.recording = None  # torch.profiler.profile while it records, True for nsys
+        self.snapshots = snapshots
 
     @contextlib.contextmanager
     def step(self, step: int):
@@ -41,6 +84,8 @@ class StepProfiler:
         if self.config and step == self.config.start:
             self._start()
         yield
+        if self.snapshots:
+            self.snapshots.after_step()
         if self.config and step == self.config.end - 1:
             self.finish()
 
@@ -74,3 +119,4 @@ class StepProfiler:
             table.write(recording.key_averages().table(sort_by=sort_by, row_limit=40) + "\n")
         print(f"profile of steps {self.config.start}-{self.config.end - 1}: {name}.json.gz, {name}.txt",
               flush=True)
+

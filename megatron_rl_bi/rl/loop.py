@@ -28,7 +28,7 @@ from megatron_rl_bi.envs.tool_format import build_tool_format
 from megatron_rl_bi.inference import Generator, Sampling
 from megatron_rl_bi.reporting.gpu_memory import PeakMemory
 from megatron_rl_bi.reporting.metrics import MetricsLogger
-from megatron_rl_bi.reporting.profiling import ProfileConfig, StepProfiler
+from megatron_rl_bi.reporting.profiling import MemoryHistoryConfig, MemorySnapshots, ProfileConfig, StepProfiler
 from megatron_rl_bi.rl.evaluate import validation_terms
 from megatron_rl_bi.rl.generation_ahead import GenerationAhead, staleness_terms
 from megatron_rl_bi.rl.generator_apart import RemoteGeneration, Schedule
@@ -92,6 +92,9 @@ class LoopConfig:
     while the engine generates (--rl-offload-optimizer-during-inference; rl/optimizer_offload.py)."""
     profile: ProfileConfig | None = None
     """Steps to trace (--profile and its flags: reporting/profiling.py); None: none."""
+    memory_history: MemoryHistoryConfig | None = None
+    """Where recording ranks write the allocator's history after each step (--record-memory-history);
+    None: nowhere."""
 
 
 def _sft_warmup(ddp, optimizer, task, tokenizer, rollout_config: RolloutConfig | None, config: LoopConfig,
@@ -291,7 +294,7 @@ def run_rl(
         kept = KeptWeights(config.keep_old_weights)
         kept.keep(weight_version, ddp)
         started, peak_memory = time.time(), PeakMemory()
-        profiler = StepProfiler(config.profile, torch.distributed.get_rank())
+        profiler = StepProfiler(config.profile, torch.distributed.get_rank(), MemorySnapshots(config.memory_history))
         for step in range(start_step + 1, config.steps + 1):
             with profiler.step(step):
                 metrics, rollouts = _rl_step(ddp, optimizer, ahead, step, step_config, weight_version, ref_model,

@@ -93,6 +93,16 @@ def test_a_run(tmp_path, cpu_loop):
     assert "run" in header
 
 
+def test_the_allocators_history_is_written_after_each_step(tmp_path, cpu_loop, monkeypatch):
+    written = []
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda filename: written.append(filename) or
+                        open(filename, "w").close())
+    _run(tmp_path, ["--train-iters", "3", "--record-memory-history", "--memory-snapshot-path",
+                    str(tmp_path / "snap" / "s.pickle")])
+    assert written == [str(tmp_path / "snap" / "s.pickle.tmp")] * 3
+    assert (tmp_path / "snap" / "s.pickle").exists()
+
+
 def test_exit_interval_stops_with_a_checkpoint(tmp_path, cpu_loop, monkeypatch):
     saved = []
     monkeypatch.setattr(loop, "save_checkpoint", lambda root, step, *a, **k: saved.append(step))
