@@ -55,6 +55,7 @@ def _known_flags() -> set[str]:
                _module("bench/suite.py").build_parser(),
                _module("tools/plot_metrics.py").build_parser(), _module("tools/source_hash.py").build_parser(),
                _module("tools/results_docs.py").build_parser(), _module("tools/memory_plan.py").build_parser(),
+               _module("tools/memory_peak.py").build_parser(),
                _module("tools/random_hf_checkpoint.py").build_parser(),
                _module("tools/retrieval_server.py").build_parser(), _module("bench/memory.py").build_parser(),
                _module("bench/optimizer_offload.py").build_parser(), _module("tools/terminal_tasks.py").build_parser(),
