@@ -1,12 +1,16 @@
 """The environment pool (envs.environment, --rl-env-workers), CPU: at most N calls at once, each
-timed from its own start, a hung call's worker replaced, outcomes in the calls' order."""
+timed from its own start, a hung call's worker replaced, outcomes in the calls' order; and the
+built-in search environment's corpus."""
 
+import json
 import threading
 import time
 
 import pytest
 
-from megatron_rl_bi.envs.environment import FAILED, TIMED_OUT, EnvironmentPool, call_all, default_workers
+from megatron_rl_bi.envs.environment import (FAILED, TIMED_OUT, EnvironmentPool, build_environment, call_all,
+                                             default_workers)
+from megatron_rl_bi.envs.tasks import LookupTask
 
 
 class Running:
@@ -86,6 +90,26 @@ def test_the_default_pool_is_sized_from_the_cpus_and_a_size_below_one_is_refused
         EnvironmentPool(0)
     with pytest.raises(ValueError, match="--rl-env-workers must be >= 1, got 0"):  # not the default
         call_all([lambda: 1], timeout_s=5, workers=0)
+
+
+def test_call_all_reuses_one_pool_and_does_not_add_threads_each_round():
+    """Each rollout turn calls call_all: a pool built per call would leave its idle workers
+    behind, `workers` more threads every turn."""
+    call_all([lambda: 0] * 5, timeout_s=5, workers=5)
+    after_first = threading.active_count()
+    for round_ in range(20):
+        assert [o.value for o in call_all([lambda: round_] * 5, timeout_s=5, workers=5)] == [round_] * 5
+    assert threading.active_count() <= after_first
+
+
+def test_an_explicit_search_corpus_is_searched_not_the_lookup_task_s_own(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    passages = ["The Eiffel Tower is in Paris.", "Mount Fuji is the highest mountain in Japan."]
+    corpus.write_text("".join(json.dumps({"contents": p}) + "\n" for p in passages))
+    task = LookupTask(seed=0, corpus_size=8)
+    environment = build_environment("search", task, search_corpus=str(corpus), search_top_k=1)
+    assert environment.retriever.passages == passages
+    assert environment.retriever.search("highest mountain of Japan", 1) == [passages[1]]
 
 
 def test_a_failure_is_logged_with_its_traceback_once_for_each_kind(caplog):

@@ -75,6 +75,21 @@ def test_jsonl_reads_and_shuffles_per_epoch(tmp_path):
     assert source.take(1)[0].verify("answer \\boxed{%s}" % source.task.example(0).answer) in (0.0, 1.0)
 
 
+def test_jsonl_order_is_reshuffled_each_epoch_and_repeats_with_the_seed(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(20)))
+    task = build_task("jsonl", 0, str(path))
+
+    def epochs(seed):
+        source = PromptSource(task, seed=seed)
+        return [e.prompt for e in source.take(20)], [e.prompt for e in source.take(20)]
+
+    first, second = epochs(7)
+    assert sorted(first) == sorted(second) == sorted(f"q{i}" for i in range(20))
+    assert first != second and first != [f"q{i}" for i in range(20)]
+    assert epochs(7) == (first, second)
+
+
 @pytest.mark.parametrize(
     "line, message",
     [

@@ -60,6 +60,22 @@ def test_the_server_answers_in_search_r1s_fields(bm25_server):
     assert bad.value.code == 400
 
 
+@pytest.mark.parametrize("topk", [0, -1, True, "3", 2.5])
+def test_the_server_refuses_a_topk_that_is_not_a_positive_integer(bm25_server, topk):
+    with pytest.raises(urllib.error.HTTPError) as bad:  # true is JSON's boolean, not 1
+        post(bm25_server, {"queries": ["river"], "topk": topk, "return_scores": True})
+    assert bad.value.code == 400
+    assert json.loads(bad.value.read()) == {"error": "queries must be strings and topk a positive integer"}
+
+
+@pytest.mark.parametrize("path", ["/", "/search", "/retrieve/more"])
+def test_the_server_answers_404_to_a_post_to_another_path(bm25_server, path):
+    with pytest.raises(urllib.error.HTTPError) as bad:
+        post(bm25_server.removesuffix("/retrieve") + path, {"queries": ["river"], "topk": 1, "return_scores": True})
+    assert bad.value.code == 404
+    assert json.loads(bad.value.read()) == {"error": f"no {path}: POST /retrieve"}
+
+
 def test_a_turns_searches_go_in_one_request_and_each_gets_its_own_passages(bm25_server):
     retriever = RemoteRetriever(bm25_server, gather_s=0.2)
     queries = ["capital of France", "capital of Germany", "river Africa", "highest mountain"] * 2
@@ -70,9 +86,10 @@ def test_a_turns_searches_go_in_one_request_and_each_gets_its_own_passages(bm25_
 
 
 class _Flaky(BaseHTTPRequestHandler):
-    """Answers 500 to its first `failures` requests (or sleeps `delay_s` on each), then the protocol."""
+    """Answers its first `failures` requests with `failure` (status, body: a 500 unless told), or
+    sleeps `delay_s` on each, then the protocol."""
 
-    failures, delay_s, seen, bodies = 0, 0.0, 0, ()
+    failures, delay_s, seen, bodies, failure = 0, 0.0, 0, (), (500, b'{"error": "boom"}')
 
     def do_POST(self):
         type(self).seen += 1
@@ -80,9 +97,9 @@ class _Flaky(BaseHTTPRequestHandler):
         type(self).bodies += (body,)
         time.sleep(self.delay_s)
         failing = type(self).seen <= self.failures
-        data = json.dumps({"error": "boom"} if failing else
-                          {"result": [[{"document": {"contents": f"about {q}"}, "score": 1.0}] for q in body["queries"]]}).encode()
-        self.send_response(500 if failing else 200)
+        status, data = self.failure if failing else (200, json.dumps(
+            {"result": [[{"document": {"contents": f"about {q}"}, "score": 1.0}] for q in body["queries"]]}).encode())
+        self.send_response(status)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -91,8 +108,9 @@ class _Flaky(BaseHTTPRequestHandler):
         pass
 
 
-def flaky_server(failures=0, delay_s=0.0):
-    handler = type("Handler", (_Flaky,), {"failures": failures, "delay_s": delay_s, "seen": 0, "bodies": ()})
+def flaky_server(failures=0, delay_s=0.0, failure=_Flaky.failure):
+    handler = type("Handler", (_Flaky,), {"failures": failures, "delay_s": delay_s, "seen": 0, "bodies": (),
+                                          "failure": failure})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     return server, serving(server), handler
 
@@ -126,6 +144,20 @@ def test_a_server_that_keeps_failing_fails_only_its_samples_counted():
     assert [o.problem for o in outcomes] == [FAILED, FAILED, None] and outcomes[2].value == "answered, no search"
     assert handler.seen == 3  # one request, retried twice
     with pytest.raises(RetrievalError, match=r"--rl-search-url http://127.0.0.1:\d+/retrieve: no answer after 3 attempts"):
+        retriever.search("c", 1)
+    server.shutdown()
+
+
+@pytest.mark.parametrize("body", [b"<html>ok</html>", b'{"results": [[]]}', b'{"result": [[], [], []]}'],
+                         ids=["not JSON", "no result", "three lists"])
+def test_an_ok_answer_outside_the_protocol_is_retried_then_fails_every_search_of_its_request_counted(body):
+    server, url, handler = flaky_server(failures=100, failure=(200, body))
+    retriever = RemoteRetriever(url, retries=1, backoff_s=0.01, gather_s=0.2)
+    calls = [lambda: retriever.search("a", 1), lambda: retriever.search("b", 1), lambda: "answered, no search"]
+    outcomes = call_all(calls, timeout_s=10)
+    assert [(o.problem, o.value) for o in outcomes] == [(FAILED, None), (FAILED, None), (None, "answered, no search")]
+    assert handler.seen == 2  # one request for both searches, retried once
+    with pytest.raises(RetrievalError, match=r"no answer after 2 attempts \((JSONDecodeError|ValueError): "):
         retriever.search("c", 1)
     server.shutdown()
 

@@ -339,6 +339,21 @@ def test_the_unisolated_mode_says_so_and_is_not_isolated(python, tmp_path, capsy
     assert processes_with(tag) == []
 
 
+def test_the_unisolated_mode_bounds_output_to_output_bytes(python):
+    program = "import sys\nsys.stdout.write('x' * (1 << 20))\nsys.stderr.write('y' * (1 << 20))"
+    result = sandbox.run(config(python, isolated=False, output_bytes=100), [python, "-I", "main.py"],
+                         {"main.py": program})
+    assert (result.stdout, result.stderr, result.returncode) == ("x" * 100, "y" * 100, 0)
+
+
+def test_the_unisolated_mode_does_not_pass_the_callers_environment(python, monkeypatch):
+    token = uuid.uuid4().hex
+    monkeypatch.setenv("RL_SANDBOX_SECRET", token)
+    program = "import os\nprint(os.environ.get('RL_SANDBOX_SECRET'))"
+    assert run_outside(program, python).strip() == token
+    assert run_python(program, config(python, isolated=False)) == "None\n"
+
+
 def test_only_regular_files_are_sent_back(python):
     """A link is not followed (it could name a file of the sandbox's own, or nothing), nor a FIFO
     opened (its open would wait for a writer until the host's bound)."""

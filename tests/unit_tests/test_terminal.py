@@ -4,6 +4,7 @@ were, the keeper's answer cannot be forged or read by the command, the task's te
 until scoring, the budget ends a conversation, the task file's errors name FILE:LINE, and every
 shipped task's solution passes its test where doing nothing fails."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -38,6 +39,12 @@ def config():
 @pytest.fixture(scope="module")
 def environment(config):
     return terminal_environment(config)
+
+
+@pytest.fixture(scope="module")
+def quick_environment(config):
+    """The environment with a 1 s command limit (its test's too), for the tests that wait one out."""
+    return terminal_environment(dataclasses.replace(config, seconds=1.0))
 
 
 def task_file(tmp_path, *records) -> str:
@@ -96,6 +103,22 @@ def test_a_slow_sandbox_start_up_kills_no_command_and_fails_no_test(environment,
     assert env.finish() == 1.0
     output, _, _ = bash(env, "sleep 20")
     assert "(killed: the command's limit of 3 s; the files are as they were)" in output
+
+
+def test_a_command_killed_at_its_limit_shows_none_of_its_output(quick_environment, tmp_path):
+    """What a killed command had printed by its limit depends on timing: the model reads only how
+    it ended, so a conversation's tokens do not follow the machine's load."""
+    env = opened(quick_environment, tmp_path)
+    assert bash(env, "echo partial; echo partial >&2; sleep 20") == (
+        "\n<output>(killed: the command's limit of 1 s; the files are as they were)</output>\n", 0.0, False)
+
+
+def test_a_command_killed_by_a_signal_is_told_so_and_keeps_its_files(environment, tmp_path):
+    """A negative return code is the signal that killed the command, not an exit status."""
+    env = opened(environment, tmp_path)
+    assert bash(env, "echo shown; echo kept > f; kill -9 $$") == (
+        "\n<output>shown\n(killed by signal 9)</output>\n", 0.0, False)
+    assert bash(env, "cat f")[0] == "\n<output>kept\n</output>\n"
 
 
 def test_a_command_that_stops_the_keeper_is_killed_at_the_hosts_bound(environment, tmp_path, monkeypatch):
@@ -163,6 +186,15 @@ def test_a_test_written_by_the_model_is_replaced_by_the_tasks(environment, tmp_p
     env = opened(environment, tmp_path)
     bash(env, "mkdir .tests && echo 'exit 0' > .tests/check.sh")
     assert env.finish() == 0.0
+
+
+def test_a_test_killed_at_its_limit_scores_zero(quick_environment, tmp_path):
+    """The task is solved, but its test command does not finish within the limit (killed: no exit
+    status): the reward is 0, never 1."""
+    slow_check = {**SORT_TASK, "tests": {"check.sh": SORT_TASK["tests"]["check.sh"].strip() + " && sleep 20\n"}}
+    env = opened(quick_environment, tmp_path, slow_check)
+    bash(env, "sort ab > cd")
+    assert env.step("<done></done>") == ("", 0.0, True)  # let run, the check passes: reward 1
 
 
 def test_the_budget_ends_the_conversation_and_scores_it(environment, tmp_path):
@@ -252,6 +284,19 @@ def test_the_warm_up_needs_every_solution_and_shows_its_real_output(config, tmp_
     listing = {**SORT_TASK, "solution": "cat ab; ls"}
     example = TerminalTasks(task_file(tmp_path, listing), config, demonstrations=True).example(0)
     assert example.demonstration == ("<bash>cat ab; ls</bash>", "\n<output>b\nc\na\nab\n</output>\n", "<done></done>")
+
+
+def test_build_task_with_the_warm_up_gives_demonstrations_and_needs_every_solution(config, tmp_path):
+    """build_task's `warmup` (--rl-sft-warmup-steps > 0) reaches the terminal's tasks: each example
+    carries its solution's demonstration, and a line without a solution is refused."""
+    path = task_file(tmp_path, SORT_TASK)
+    example = build_task("terminal", 0, path, "terminal", config, warmup=True).example(0)
+    assert example.demonstration == ("<bash>sort ab > cd</bash>", "\n<output></output>\n", "<done></done>")
+    assert build_task("terminal", 0, path, "terminal", config).example(0).demonstration is None
+    no_solution = {k: v for k, v in SORT_TASK.items() if k != "solution"}
+    path = task_file(tmp_path, SORT_TASK, no_solution)
+    with pytest.raises(ValueError, match=f"^{path}:2: field 'solution' is needed for the SFT warm-up"):
+        build_task("terminal", 0, path, "terminal", config, warmup=True)
 
 
 def test_every_shipped_task_is_solved_by_its_solution_and_not_by_nothing(environment, config):
