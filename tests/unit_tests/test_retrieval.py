@@ -85,6 +85,14 @@ def test_a_turns_searches_go_in_one_request_and_each_gets_its_own_passages(bm25_
     assert retriever.requests_sent == 1
 
 
+def test_searches_of_different_depths_go_in_a_request_each(bm25_server):
+    retriever = RemoteRetriever(bm25_server, gather_s=0.2)
+    depths = [1, 3, 1, 3]
+    outcomes = call_all([lambda k=k: retriever.search("capital", k) for k in depths], timeout_s=10)
+    assert [len(o.value) for o in outcomes] == depths
+    assert retriever.requests_sent == 2
+
+
 class _Flaky(BaseHTTPRequestHandler):
     """Answers its first `failures` requests with `failure` (status, body: a 500 unless told), or
     sleeps `delay_s` on each, then the protocol."""
