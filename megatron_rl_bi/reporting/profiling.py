@@ -6,10 +6,10 @@ the ranks in --profile-ranks (every rank when empty) are traced, generation and 
   (Perfetto or chrome://tracing) and a table of the ops that took the most GPU time into
   --tensorboard-dir.
 `--record-memory-history` (megatron's, with --memory-snapshot-path and --profile-ranks) records
-the caching allocator's events from before the model is built; after each RL step a recording rank
-writes the newest of them (the step's generation and training) as a snapshot for
+the caching allocator's events from before the model is built; after each RL step a recording
+trainer rank writes the newest of them (the step's generation and training) as a snapshot for
 pytorch.org/memory_viz, and megatron's out-of-memory observer writes one where an allocation
-fails."""
+fails (a generator rank's only snapshot, --rl-generator-ranks)."""
 
 import contextlib
 import os
