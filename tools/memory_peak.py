@@ -53,14 +53,15 @@ def peak(snapshot: dict, device: int) -> tuple[int, int, dict]:
     """(allocated bytes at the peak, how many of the window's events came before it, the blocks
     alive then). Two passes back from the snapshot: one finds the moment, one stops there."""
     events = snapshot["device_traces"][device]
-    live = live_at_snapshot(snapshot, device)
+    at_snapshot = live_at_snapshot(snapshot, device)
+    live = dict(at_snapshot)
     total = best = sum(size for size, _ in live.values())
     best_at = len(events)
     for i in range(len(events) - 1, -1, -1):
         total += _undo(events[i], live)
         if total > best:
             best, best_at = total, i
-    live = live_at_snapshot(snapshot, device)
+    live = at_snapshot
     for i in range(len(events) - 1, best_at - 1, -1):
         _undo(events[i], live)
     return best, best_at, live

@@ -36,6 +36,11 @@ class ProfileConfig:
     """Python call stacks (--pytorch-profiler-collect-callstack)."""
 
 
+def _asked_for(ranks: tuple[int, ...], rank: int) -> bool:
+    """Whether --profile-ranks takes `rank` (empty: every rank)."""
+    return not ranks or rank in ranks
+
+
 @dataclass(frozen=True)
 class MemoryHistoryConfig:
     path: str
@@ -57,23 +62,23 @@ class MemorySnapshots:
     def __init__(self, config: MemoryHistoryConfig | None):
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.path = None
-        if config and (not config.ranks or rank in config.ranks):
+        if config and _asked_for(config.ranks, rank):
             base, ext = os.path.splitext(config.path)
             self.path = config.path if world_size == 1 else f"{base}_rank-{rank}{ext}"
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
 
     def after_step(self) -> None:
         """The newest events, in place of the last step's (written whole, then renamed: a run
         stopped while writing leaves the previous snapshot)."""
         if self.path is None:
             return
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         torch.cuda.memory._dump_snapshot(self.path + ".tmp")
         os.replace(self.path + ".tmp", self.path)
 
 
 class StepProfiler:
     def __init__(self, config: ProfileConfig | None, rank: int, snapshots: MemorySnapshots | None = None):
-        self.config = config if config and (not config.ranks or rank in config.ranks) else None
+        self.config = config if config and _asked_for(config.ranks, rank) else None
         self.rank = rank
         self.recording = None  # torch.profiler.profile while it records, True for nsys
         self.snapshots = snapshots
