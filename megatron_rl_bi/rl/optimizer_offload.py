@@ -18,15 +18,20 @@ _PARKINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def optimizer_tensor_slots(optimizer) -> list[tuple[object, str | None]]:
     """(holder, key) of every tensor the offload moves: a parameter (key None: its .data) or an
     entry of a parameter's state, in each inner optimizer (megatron-core's ChainedOptimizer holds
-    several; a stub optimizer has none)."""
+    several; a stub optimizer has none). A view of another tensor is not moved: with the main
+    weights on the CPU (--optimizer-cpu-offload) megatron-core's distributed optimizer gives its
+    inner optimizer shards of DDP's bf16 parameter buffer, which the model's weights are views of
+    too. Moving such a shard frees nothing (the buffer stays), and bringing it back as a tensor of
+    its own would cut it off from the weights: the optimizer's updates would land in a copy."""
     slots = []
     for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         torch_optimizer = getattr(inner, "optimizer", None)
         if torch_optimizer is None or getattr(inner, "is_stub_optimizer", False):
             continue
-        slots += [(param, None) for group in torch_optimizer.param_groups for param in group["params"]]
+        slots += [(param, None) for group in torch_optimizer.param_groups for param in group["params"]
+                  if param._base is None]
         slots += [(state, key) for state in torch_optimizer.state.values()
-                  for key, value in state.items() if isinstance(value, torch.Tensor)]
+                  for key, value in state.items() if isinstance(value, torch.Tensor) and value._base is None]
     return slots
 
 

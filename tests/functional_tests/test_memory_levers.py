@@ -6,7 +6,8 @@ updates round differently and the run is another (seen on the H200 for the first
 already differs): the distributed optimizer (its gradient norm and Adam over one flat shard, not
 per parameter) and the optimizer on the CPU (torch's CPU Adam). They must keep parity 0 at every
 step instead, as must full recompute beside the engine's CUDA graphs (the Qwen recipes' setting;
-decode steps through graphs make it another run too)."""
+decode steps through graphs make it another run too). With the optimizer on the CPU, parking
+its GPU state while generating must change no bit of that run."""
 
 import importlib.util
 import os
@@ -71,3 +72,15 @@ def test_another_run_keeps_parity(tmp_path, lever):
     assert sorted(records) == list(range(1, STEPS + 1))
     for record in records.values():
         assert record["bit_wise/logprob_diff/max"] == 0.0 and record["bit_wise/ratio_tokens_different"] == 0.0
+
+
+def test_the_optimizer_on_the_cpu_parked_while_generating_repeats_it_kept(tmp_path):
+    # The Qwen3.5 recipe's one-GPU route: the main weights on the CPU and the optimizer's GPU state
+    # parked while generating. Parking moves no bit, so both runs are one; a parked shard of the
+    # weights' own buffer once took the updates into a copy, and the model stopped learning.
+    on_cpu = OTHER_ARITHMETIC["optimizer on the CPU"]
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "parked").mkdir()
+    kept = _main_job(tmp_path / "kept", on_cpu)
+    parked = _main_job(tmp_path / "parked", [*on_cpu, "--rl-offload-optimizer-during-inference"])
+    assert compare_metrics.differences(kept, parked) == []

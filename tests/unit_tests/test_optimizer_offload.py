@@ -43,3 +43,18 @@ def test_a_plain_optimizer_is_its_own_inner_one():
     tensors = optimizer_tensors(_Inner(adam))
     assert tensors[0].data_ptr() == param.data_ptr()  # .data is a new view of the parameter's storage
     assert all(got is state[key] for got, key in zip(tensors[1:], ("step", "exp_avg", "exp_avg_sq")))
+
+
+def test_shards_of_a_buffer_the_weights_share_stay_where_they_are():
+    # --optimizer-cpu-offload: megatron-core's distributed optimizer hands its inner optimizer
+    # views of DDP's parameter buffer (model_param.detach().view(-1)[start:end]), which the model's
+    # weights are views of too; its own state lives on the CPU.
+    buffer = torch.zeros(10)
+    weights = [torch.nn.Parameter(torch.empty(4)), torch.nn.Parameter(torch.empty(6))]
+    weights[0].data, weights[1].data = buffer[:4], buffer[4:]
+    shards = [weight.detach().view(-1)[1:] for weight in weights]
+    owned = torch.nn.Parameter(torch.ones(3))
+    adam = torch.optim.Adam([{"params": shards}, {"params": [owned]}])
+    adam.state[owned]["exp_avg"] = torch.zeros(3)
+    adam.state[owned]["a_view"] = buffer[:2]
+    assert optimizer_tensor_slots(_Inner(adam)) == [(owned, None), (adam.state[owned], "exp_avg")]
