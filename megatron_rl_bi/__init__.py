@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+import os
 import warnings
 
 # megatron-core (and fla, on a machine without a GPU) warn at import about each optional package
@@ -12,3 +13,8 @@ for _message in (r"Transformer Engine and Apex are not installed", r"Apex is not
     warnings.filterwarnings("ignore", message=_message, category=UserWarning, module=r"megatron\.")
 warnings.filterwarnings("ignore", message=r"Triton is not supported on current platform", category=UserWarning,
                         module=r"fla\.")
+
+# FlashAttention-4 compiles its kernels (CuTe DSL) at a process's first call of each shape and
+# keeps them on disk only when asked: asked here (under TMPDIR, keyed by its sources and
+# versions), so a second process on a machine starts warm. Set the variable to 0 to keep it off.
+os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
