@@ -1,7 +1,9 @@
 """Memory levers on the GPU, BI mode: the trainer's chunked LM head gives the one-pass logprobs
 bit for bit; an engine that frees its KV cache between generations (--rl-kv-cache-management-
 mode recompute), eager and graphed, generates what a persistent one does, frees the memory, and
-keeps trainer parity; activation recompute keeps trainer parity."""
+keeps trainer parity; activation recompute keeps trainer parity; the optimizer's state parked
+while generating comes back bit for bit, and with the optimizer on the CPU its step still reaches
+the model's weights."""
 
 import gc
 
@@ -17,7 +19,7 @@ from megatron_rl_bi.packing import pack_sequences
 from megatron_rl_bi.parity.harness import random_requests, run_parity
 from megatron_rl_bi.rl.optimizer_offload import generating, optimizer_tensors
 
-from .conftest import TINY_DENSE_ARGS, TINY_HYBRID_ARGS, VOCAB_SIZE, build, build_dense
+from .conftest import TINY_DENSE_ARGS, TINY_HYBRID_ARGS, VOCAB_SIZE, build, build_dense, packed_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -129,3 +131,33 @@ def test_the_optimizer_waits_in_page_locked_buffers_and_comes_back_bit_for_bit()
         assert all(torch.equal(a, b) for a, b in zip(optimizer_tensors(optimizer), expected))
         assert [t.device for t in optimizer_tensors(optimizer)] == [t.device for t in expected]
     assert buffers[0] == buffers[1]  # the host buffers are kept for the run
+
+
+def test_the_optimizer_on_the_cpu_still_updates_the_weights_after_a_park(distributed):
+    """--optimizer-cpu-offload with --rl-offload-optimizer-during-inference, as the Qwen3.5
+    recipe runs one GPU: after the engine's phase the optimizer's step reaches the model's own
+    weights, which still live in DDP's buffer. Parking the optimizer's shards of that buffer once
+    made them tensors of their own, and every update went into those."""
+    from megatron_rl_bi.config import parse_args
+    from megatron_rl_bi.optimizer import build_ddp_and_optimizer
+
+    flags = ["--batch-invariant-mode", "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
+             "--use-distributed-optimizer", "--lr", "1e-2"]
+    try:
+        model = build_dense(batch_invariant=True, extra=flags[1:])
+        ddp, optimizer = build_ddp_and_optimizer(parse_args(TINY_DENSE_ARGS + flags), model)
+        addresses = [p.data_ptr() for p in model.parameters()]
+        with generating(optimizer, True):  # the engine's build and a generation
+            pass
+        before = [p.detach().clone() for p in model.parameters()]
+        ddp.zero_grad_buffer()
+        packed_logits(ddp, [list(range(1, 200))]).float().logsumexp(-1).mean().backward()
+        ddp.finish_grad_sync()
+        params = list(model.parameters())
+        with_gradient = [bool(p.main_grad.any()) for p in params]
+        optimizer.step()
+        assert [p.data_ptr() for p in params] == addresses
+        moved = [not torch.equal(b, p) for b, p, g in zip(before, params, with_gradient) if g]
+        assert moved and all(moved)
+    finally:
+        bi.disable()
