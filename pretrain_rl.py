@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -255,16 +256,17 @@ def generate_apart(inputs: RunInputs, bridge: Bridge) -> None:
                          rank_batches(engine, tokenizer, sampling, inputs.rollout_config), validate or None)
 
 
-def train(inputs: RunInputs, bridge: Bridge | None) -> None:
+def train(inputs: RunInputs, bridge: Bridge | None, started: float) -> None:
     """A trainer rank's run: the policy, its optimizer and, unless generators are apart, the
-    engine on the same module; then the RL loop."""
+    engine on the same module; then the RL loop. The first step's record carries the start-up's
+    phases, from `started` (main's perf_counter) on."""
     args, tokenizer, task, hf_model = inputs.args, inputs.tokenizer, inputs.task, inputs.hf_model
     with bi.batch_invariant(args.batch_invariant_mode):
         model = build_policy(args, inputs.vocab_size, hf_model)
         ddp, optimizer = build_ddp_and_optimizer(args, model)
         lr_scheduler = build_lr_scheduler(args, optimizer)
         reference = build_reference_model(args, model) if args.grpo_kl_beta > 0 else None
-        generator = None
+        generator, model_built = None, time.perf_counter()
         if bridge is None:
             try:
                 engine_config = size_kv_cache(args, inputs.engine_config, inputs.vocab_size)
@@ -273,6 +275,9 @@ def train(inputs: RunInputs, bridge: Bridge | None) -> None:
             with generating(optimizer, args.rl_offload_optimizer_during_inference):
                 generator = Generator(model, engine_config)  # its cache sized for this phase
         logger = build_logger(args, memory_plan(args, inputs.vocab_size), tokenizer, inputs.argv)
+        if logger:
+            logger.add_to_next_record({"time/startup_model_s": model_built - started,
+                                       "time/startup_engine_s": time.perf_counter() - model_built})
         run_rl(ddp=ddp, optimizer=optimizer, generator=generator, task=task, tokenizer=tokenizer,
                rollout_config=inputs.rollout_config,
                step_config=step_config_from_args(args),
@@ -285,6 +290,7 @@ def train(inputs: RunInputs, bridge: Bridge | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    started = time.perf_counter()
     try:
         inputs = read_inputs(argv)
     except ValueError as exc:  # bad input: the message names it, a traceback would bury it
@@ -298,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     if inputs.roles.is_generator:
         generate_apart(inputs, bridge)
     else:
-        train(inputs, bridge)
+        train(inputs, bridge, started)
     torch.distributed.destroy_process_group()
 
 

@@ -1,9 +1,9 @@
 r"""Time to the first step, with empty compile caches (a fresh machine) and with the caches that run
 filled (a warm one): the run's whole wall time, the time until its first step's record is written,
-and the first step's phases against the median of its later steps. Each round runs the command
-twice on one new cache directory (Triton's kernels and autotuning picks, TorchInductor's,
-CUTLASS DSL's (FlashAttention-4), the CUDA JIT's, and TMPDIR/XDG_CACHE_HOME, where the rest
-keep theirs): first empty, then filled. The ratios are the rounds' medians. A fresh machine's
+the start-up's phases before it, and the first step's phases against the median of its later
+steps. Each round runs the command twice on one new cache directory (Triton's kernels and
+autotuning picks, TorchInductor's, CUTLASS DSL's (FlashAttention-4), the CUDA JIT's, and
+TMPDIR/XDG_CACHE_HOME, where the rest keep theirs): first empty, then filled. The ratios are the rounds' medians. A fresh machine's
 caches, not its file cache: the libraries' files are read from memory in both runs.
 
   python bench/first_step.py --output results/bench_first_step_hybrid_h200.json -- \
@@ -30,6 +30,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE_VARIABLES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUTE_DSL_CACHE_DIR", "CUDA_CACHE_PATH",
                    "XDG_CACHE_HOME", "TMPDIR")
 PHASES = ("time/step_s", "time/generation_s", "time/training_s", "time/optimizer_s")
+# Before the first step (its record carries them): main's start to the model and optimizer built,
+# the engine's build, the SFT warm-up (absent without one)
+STARTUP = ("time/startup_model_s", "time/startup_engine_s", "time/startup_sft_s")
 POLL_SECONDS = 0.2
 
 
@@ -70,6 +73,7 @@ def run_once(flags: list[str], cache_dir: str, work_dir: str) -> dict:
     later = [record for step, record in steps.items() if step > 1]
     return {"wall_s": wall_s, "first_record_s": first_record_s,
             "first_step": {phase: steps[1][phase] for phase in PHASES},
+            "startup": {phase: steps[1][phase] for phase in STARTUP if phase in steps[1]},
             "later_steps_median": {phase: statistics.median(r[phase] for r in later) for phase in PHASES}
             if later else None}
 
@@ -78,6 +82,8 @@ def ratios(fresh: dict, warm: dict) -> dict:
     """Fresh against warm (whole run, first record), and each run's first step against its later ones."""
     out = {"wall_fresh_over_warm": fresh["wall_s"] / warm["wall_s"],
            "first_record_fresh_over_warm": fresh["first_record_s"] / warm["first_record_s"]}
+    for phase in fresh["startup"].keys() & warm["startup"].keys():
+        out[f"{phase.removeprefix('time/')}_fresh_over_warm"] = fresh["startup"][phase] / warm["startup"][phase]
     for name, run in (("fresh", fresh), ("warm", warm)):
         if run["later_steps_median"]:
             for phase in PHASES:  # None where the later steps took no time (no optimizer step)

@@ -35,6 +35,7 @@ class MetricsLogger:
         self.total_steps, self.samples = total_steps, samples
         self.doctor_command = doctor_command(doctor_argv) if doctor_argv is not None else None
         self._jsonl = None
+        self._for_next_record = {}
         if jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
             self._jsonl = open(jsonl_path, "a", buffering=1)
@@ -55,7 +56,12 @@ class MetricsLogger:
                 raise ImportError("--wandb-project needs `pip install wandb`") from exc
             self._wandb = wandb.init(project=wandb_project, config=run_config or {})
 
+    def add_to_next_record(self, metrics: dict) -> None:
+        """Metrics of what came before the next step (the start-up's phases): its record carries them."""
+        self._for_next_record.update(metrics)
+
     def log(self, step: int, metrics: dict, rollouts: list = ()) -> None:
+        metrics, self._for_next_record = {**self._for_next_record, **metrics}, {}
         record = {"step": step, **metrics}
         print(self.progress_line(step, metrics), flush=True)
         if self.doctor_command and metrics.get("bit_wise/logprob_diff/max", math.nan) > 0:

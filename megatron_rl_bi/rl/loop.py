@@ -111,11 +111,14 @@ def _sft_warmup(ddp, optimizer, task, tokenizer, rollout_config: RolloutConfig |
     if config.sft_lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = config.sft_lr
+    started = time.perf_counter()
     for step in range(1, config.sft_warmup_steps + 1):
         loss = sft_step(ddp, optimizer, source.take(config.sft_batch_size), tokenizer, turns,
                         observation_tokens)
         if logger and (step % 25 == 0 or step == config.sft_warmup_steps):
             print(f"sft warm-up {step}/{config.sft_warmup_steps} | nll {loss:.4f}", flush=True)
+    if logger:  # the loss's .item() waited for the GPU
+        logger.add_to_next_record({"time/startup_sft_s": time.perf_counter() - started})
     for group, lr in zip(optimizer.param_groups, saved_lrs):
         group["lr"] = lr
 

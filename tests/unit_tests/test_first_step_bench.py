@@ -11,11 +11,11 @@ first_step = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(first_step)
 
 
-def _run(wall, first_record, step, generation, training, optimizer, later):
+def _run(wall, first_record, step, generation, training, optimizer, later, startup=None):
     return {"wall_s": wall, "first_record_s": first_record,
             "first_step": {"time/step_s": step, "time/generation_s": generation, "time/training_s": training,
                            "time/optimizer_s": optimizer},
-            "later_steps_median": later}
+            "startup": startup or {}, "later_steps_median": later}
 
 
 def test_ratios_by_hand():
@@ -28,6 +28,16 @@ def test_ratios_by_hand():
         "fresh_first_over_later_training_s": 26.2, "fresh_first_over_later_optimizer_s": 4.0,
         "warm_first_over_later_step_s": 2.0, "warm_first_over_later_generation_s": 2.0,
         "warm_first_over_later_training_s": 2.0, "warm_first_over_later_optimizer_s": None}
+
+
+def test_the_start_ups_phases_fresh_over_warm_where_both_runs_have_them():
+    later = {"time/step_s": 1.0, "time/generation_s": 1.0, "time/training_s": 1.0, "time/optimizer_s": 1.0}
+    fresh = _run(90.0, 60.0, 6.0, 5.0, 1.0, 1.0, later, {"time/startup_model_s": 20.0, "time/startup_engine_s": 9.0,
+                                                          "time/startup_sft_s": 18.0})
+    warm = _run(60.0, 30.0, 3.0, 2.0, 1.0, 1.0, later, {"time/startup_model_s": 16.0, "time/startup_engine_s": 3.0})
+    got = first_step.ratios(fresh, warm)
+    assert got["startup_model_s_fresh_over_warm"] == 1.25 and got["startup_engine_s_fresh_over_warm"] == 3.0
+    assert "startup_sft_s_fresh_over_warm" not in got
 
 
 def test_every_cache_lives_under_the_rounds_directory(tmp_path):

@@ -17,6 +17,19 @@ def test_jsonl_has_a_run_header_and_step_records(tmp_path, capsys):
     assert "step 1/2 | reward 0.500 | loss -0.1000 | parity abs_mean nan max 0" in capsys.readouterr().out
 
 
+def test_what_came_before_a_step_goes_into_its_record_alone(tmp_path):
+    path = tmp_path / "m.jsonl"
+    logger = MetricsLogger(total_steps=3, jsonl_path=str(path))
+    logger.add_to_next_record({"time/startup_model_s": 4.0, "loss": 9.0})
+    logger.add_to_next_record({"time/startup_sft_s": 2.0})
+    logger.log(1, {"loss": -0.1})
+    logger.log(2, {"loss": -0.2})
+    logger.close()
+    records = read_step_records(str(path))
+    assert records[1] == {"step": 1, "time/startup_model_s": 4.0, "time/startup_sft_s": 2.0, "loss": -0.1}
+    assert records[2] == {"step": 2, "loss": -0.2}
+
+
 def test_read_step_records_keeps_the_latest_record_of_a_step(tmp_path):
     path = tmp_path / "m.jsonl"
     path.write_text('{"run": {}}\n{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n{"run": {}}\n{"step": 2, "x": 3}\n')

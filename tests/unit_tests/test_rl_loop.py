@@ -89,6 +89,8 @@ def test_a_run(tmp_path, cpu_loop):
     assert records[1]["reward/task_mean"] == 0.5 and records[1]["rollouts/groups"] == 2
     assert "validation_reward/mean" not in records[1]
     assert records[2]["validation_reward/mean"] == 1.0  # request 0 of the eval set is answered right
+    assert records[1]["time/startup_sft_s"] > 0  # the warm-up's time, in the first record alone
+    assert not any("time/startup_sft_s" in records[s] for s in (2, 3, 4))
     header = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])
     assert "run" in header
 
