@@ -274,10 +274,11 @@ def train(inputs: RunInputs, bridge: Bridge | None, started: float) -> None:
                 raise SystemExit(f"pretrain_rl.py: error: {exc}") from None
             with generating(optimizer, args.rl_offload_optimizer_during_inference):
                 generator = Generator(model, engine_config)  # its cache sized for this phase
+        engine_built = time.perf_counter()
         logger = build_logger(args, memory_plan(args, inputs.vocab_size), tokenizer, inputs.argv)
         if logger:
             logger.add_to_next_record({"time/startup_model_s": model_built - started,
-                                       "time/startup_engine_s": time.perf_counter() - model_built})
+                                       "time/startup_engine_s": engine_built - model_built})
         run_rl(ddp=ddp, optimizer=optimizer, generator=generator, task=task, tokenizer=tokenizer,
                rollout_config=inputs.rollout_config,
                step_config=step_config_from_args(args),
