@@ -3,8 +3,9 @@ filled (a warm one): the run's whole wall time, the time until its first step's 
 the start-up's phases before it, and the first step's phases against the median of its later
 steps. Each round runs the command twice on one new cache directory (Triton's kernels and
 autotuning picks, TorchInductor's, CUTLASS DSL's (FlashAttention-4), the CUDA JIT's, and
-TMPDIR/XDG_CACHE_HOME, where the rest keep theirs): first empty, then filled. The ratios are the rounds' medians. A fresh machine's
-caches, not its file cache: the libraries' files are read from memory in both runs.
+TMPDIR/XDG_CACHE_HOME, where the rest keep theirs): first empty, then filled. The ratios are the
+rounds' medians. A fresh machine's caches, not its file cache: the libraries' files are read from
+memory in both runs.
 
   python bench/first_step.py --output results/bench_first_step_hybrid_h200.json -- \
       --recipe examples/recipes/tiny_sort_hybrid.yaml --batch-invariant-mode \

@@ -124,4 +124,3 @@ class StepProfiler:
             table.write(recording.key_averages().table(sort_by=sort_by, row_limit=40) + "\n")
         print(f"profile of steps {self.config.start}-{self.config.end - 1}: {name}.json.gz, {name}.txt",
               flush=True)
-
