@@ -53,6 +53,26 @@ def processes_with(text: str) -> list[int]:
     return found
 
 
+def descendants(pid: int) -> list[str]:
+    """`pid`'s living descendants, each as its id and the start of its command line."""
+    children = {}
+    for other in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{other}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{other}/cmdline", "rb") as f:
+                command = " ".join(f.read().decode(errors="replace").replace("\0", " ").split())
+            children.setdefault(parent, []).append((int(other), command[:80]))
+        except (OSError, IndexError, ValueError):
+            continue
+    found, waiting = [], [pid]
+    while waiting:
+        for child, command in children.get(waiting.pop(), []):
+            found.append(f"{child}: {command}")
+            waiting.append(child)
+    return found
+
+
 FORK_EXEC = """
 import _posixsubprocess, os
 errpipe_read, errpipe_write = os.pipe()
@@ -399,10 +419,11 @@ def _killed_host_leaves(python: str, how: str) -> list[int]:
                             env={**os.environ, "PYTHONPATH": REPO})
     try:
         assert host.stdout.readline() == b"started\n"
-        deadline = time.monotonic() + 20
+        # as long as the sandbox itself waits for a busy host's start-up (CI once took over 20 s)
+        deadline = time.monotonic() + sandbox.KEEPER_START_SECONDS
         while not set(processes_with(tag)) - {host.pid} and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert set(processes_with(tag)) - {host.pid}, "the program never started"
+        assert set(processes_with(tag)) - {host.pid}, f"the program never started; the host's processes: {descendants(host.pid)}"
     finally:
         host.kill()
         host.wait()
