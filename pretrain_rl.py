@@ -59,6 +59,7 @@ from megatron_rl_bi.memory import (
 )
 from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.optimizer import build_ddp_and_optimizer, build_lr_scheduler
+from megatron_rl_bi.reporting.compiles import count_triton_compiles
 from megatron_rl_bi.reporting.metrics import MetricsLogger
 from megatron_rl_bi.reporting.profiling import start_memory_history
 from megatron_rl_bi.reporting.provenance import provenance
@@ -97,6 +98,7 @@ def build_logger(args: argparse.Namespace, memory_plan: dict, tokenizer, argv: l
         samples=SampleWriter(args.rl_samples_jsonl, args.rl_samples_per_step, tokenizer.decode)
         if args.rl_samples_jsonl else None,
         doctor_argv=argv if args.batch_invariant_mode else None,
+        compiles=count_triton_compiles(),
     )
 
 
@@ -292,6 +294,7 @@ def train(inputs: RunInputs, bridge: Bridge | None, started: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
+    count_triton_compiles()  # from the start: the first step's record counts the start-up's
     try:
         inputs = read_inputs(argv)
     except ValueError as exc:  # bad input: the message names it, a traceback would bury it

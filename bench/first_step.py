@@ -1,11 +1,12 @@
 r"""Time to the first step, with empty compile caches (a fresh machine) and with the caches that run
 filled (a warm one): the run's whole wall time, the time until its first step's record is written,
 the start-up's phases before it, and the first step's phases against the median of its later
-steps. Each round runs the command twice on one new cache directory (Triton's kernels and
-autotuning picks, TorchInductor's, CUTLASS DSL's (FlashAttention-4), the CUDA JIT's, and
-TMPDIR/XDG_CACHE_HOME, where the rest keep theirs): first empty, then filled. The ratios are the
-rounds' medians. A fresh machine's caches, not its file cache: the libraries' files are read from
-memory in both runs.
+steps; the Triton compilations its records count (up to and in the first step, and after it), and
+after the fresh run, the kernels in the round's Triton cache with their compiled variants. Each
+round runs the command twice on one new cache directory (Triton's kernels and autotuning picks,
+TorchInductor's, CUTLASS DSL's (FlashAttention-4), the CUDA JIT's, and TMPDIR/XDG_CACHE_HOME, where
+the rest keep theirs): first empty, then filled. The ratios are the rounds' medians. A fresh
+machine's caches, not its file cache: the libraries' files are read from memory in both runs.
 
   python bench/first_step.py --output results/bench_first_step_hybrid_h200.json -- \
       --recipe examples/recipes/tiny_sort_hybrid.yaml --batch-invariant-mode \
@@ -13,6 +14,7 @@ memory in both runs.
 """
 
 import argparse
+import collections
 import os
 import statistics
 import subprocess
@@ -34,15 +36,31 @@ PHASES = ("time/step_s", "time/generation_s", "time/training_s", "time/optimizer
 # Before the first step (its record carries them): main's start to the model and optimizer built,
 # the engine's build, the SFT warm-up (absent without one)
 STARTUP = ("time/startup_model_s", "time/startup_engine_s", "time/startup_sft_s")
+# Triton's compilations since the record before (each step record carries them)
+COMPILES = ("time/triton_compiles", "time/triton_compile_s", "time/triton_cache_loads")
 POLL_SECONDS = 0.2
+
+
+def cache_paths(cache_dir: str) -> dict[str, str]:
+    """Each cache variable's directory under `cache_dir`."""
+    return {name: os.path.join(cache_dir, name.lower()) for name in CACHE_VARIABLES}
 
 
 def cache_environment(cache_dir: str) -> dict[str, str]:
     """The environment of a run whose compile caches all live under `cache_dir`."""
-    paths = {name: os.path.join(cache_dir, name.lower()) for name in CACHE_VARIABLES}
+    paths = cache_paths(cache_dir)
     for path in paths.values():
         os.makedirs(path, exist_ok=True)
     return {**os.environ, **paths}
+
+
+def triton_kernels(cache_dir: str) -> dict[str, int]:
+    """The kernels in Triton's cache under `cache_dir`, each with its number of compiled variants
+    (one binary per specialization: shapes' divisibility, constants, config), the most first."""
+    found = collections.Counter(name.removesuffix(".cubin")
+                                for _, _, names in os.walk(cache_paths(cache_dir)["TRITON_CACHE_DIR"])
+                                for name in names if name.endswith(".cubin"))
+    return dict(found.most_common())
 
 
 def _first_record_seconds(metrics: str, process: subprocess.Popen, start: float) -> float | None:
@@ -70,11 +88,18 @@ def run_once(flags: list[str], cache_dir: str, work_dir: str) -> dict:
     if process.wait() != 0:
         raise SystemExit(f"first_step.py: the run exited {process.returncode}: {' '.join(command)}")
     wall_s = time.perf_counter() - start
-    steps = read_step_records(metrics)
+    return summarize(read_step_records(metrics), wall_s, first_record_s)
+
+
+def summarize(steps: dict[int, dict], wall_s: float, first_record_s: float | None) -> dict:
+    """A run's times from its step records: the first step's phases, start-up and compilations,
+    the later steps' phase medians and compilations in all."""
     later = [record for step, record in steps.items() if step > 1]
     return {"wall_s": wall_s, "first_record_s": first_record_s,
             "first_step": {phase: steps[1][phase] for phase in PHASES},
             "startup": {phase: steps[1][phase] for phase in STARTUP if phase in steps[1]},
+            "compiles_first_step": {key: steps[1][key] for key in COMPILES if key in steps[1]},
+            "compiles_later_steps": {key: sum(r[key] for r in later if key in r) for key in COMPILES},
             "later_steps_median": {phase: statistics.median(r[phase] for r in later) for phase in PHASES}
             if later else None}
 
@@ -109,8 +134,10 @@ def main() -> None:
             cache_dir, work_dir = os.path.join(root, "caches"), os.path.join(root, "run")
             os.makedirs(work_dir)
             fresh = run_once(flags, cache_dir, work_dir)
+            fresh_kernels = triton_kernels(cache_dir)
             warm = run_once(flags, cache_dir, work_dir)
-        rounds.append({"fresh": fresh, "warm": warm, "ratios": ratios(fresh, warm)})
+        rounds.append({"fresh": fresh, "warm": warm, "ratios": ratios(fresh, warm),
+                       "fresh_triton_kernels": fresh_kernels})
     medians = {key: statistics.median(r["ratios"][key] for r in rounds) for key in rounds[0]["ratios"]}
     report = {**provenance(), "flags": flags, "rounds": rounds, "medians": medians}
     write_report(report, medians, args.output)

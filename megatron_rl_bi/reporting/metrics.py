@@ -10,9 +10,13 @@ import json
 import math
 import os
 import shlex
+from typing import TYPE_CHECKING
 
 from megatron_rl_bi.jsonfile import read_jsonl
 from megatron_rl_bi.reporting.samples import SampleWriter
+
+if TYPE_CHECKING:  # Triton is imported by the runs that count its compilations, not by the tools
+    from megatron_rl_bi.reporting.compiles import TritonCompiles
 
 
 class MetricsLogger:
@@ -26,13 +30,15 @@ class MetricsLogger:
         run_info: dict | None = None,
         samples: SampleWriter | None = None,
         doctor_argv: list[str] | None = None,
+        compiles: "TritonCompiles | None" = None,
     ):
         """run_info (device, commit, versions) and run_config (the flags) open the JSONL as a
         `{"run": ...}` record, once per start of the process (a resumed run appends one);
         `samples` writes a few of each step's rollouts (--rl-samples-jsonl). `doctor_argv`, the
         flags of a batch-invariant run: the first step whose logprobs differ says so and names the
-        parity doctor's command for them."""
-        self.total_steps, self.samples = total_steps, samples
+        parity doctor's command for them. `compiles`: each record carries Triton's compilations
+        since the record before."""
+        self.total_steps, self.samples, self.compiles = total_steps, samples, compiles
         self.doctor_command = doctor_command(doctor_argv) if doctor_argv is not None else None
         self._jsonl = None
         self._for_next_record = {}
@@ -61,7 +67,8 @@ class MetricsLogger:
         self._for_next_record.update(metrics)
 
     def log(self, step: int, metrics: dict, rollouts: list = ()) -> None:
-        metrics, self._for_next_record = {**self._for_next_record, **metrics}, {}
+        compiled = self.compiles.take() if self.compiles else {}
+        metrics, self._for_next_record = {**self._for_next_record, **compiled, **metrics}, {}
         record = {"step": step, **metrics}
         print(self.progress_line(step, metrics), flush=True)
         if self.doctor_command and metrics.get("bit_wise/logprob_diff/max", math.nan) > 0:

@@ -40,6 +40,40 @@ def test_the_start_ups_phases_fresh_over_warm_where_both_runs_have_them():
     assert "startup_sft_s_fresh_over_warm" not in got
 
 
+def _record(step, step_s, compiles=None, **more):
+    times = {"time/step_s": step_s, "time/generation_s": step_s / 2, "time/training_s": step_s / 4,
+             "time/optimizer_s": 0.25}
+    counted = dict(zip(first_step.COMPILES, compiles)) if compiles else {}
+    return {"step": step, **times, **counted, **more}
+
+
+def test_a_runs_summary_by_hand():
+    steps = {1: _record(1, 40.0, (30, 12.5, 2), **{"time/startup_model_s": 9.0}),
+             2: _record(2, 2.0, (4, 1.5, 0)), 3: _record(3, 4.0), 4: _record(4, 3.0, (1, 0.25, 3))}
+    assert first_step.summarize(steps, 100.0, 60.0) == {
+        "wall_s": 100.0, "first_record_s": 60.0,
+        "first_step": {"time/step_s": 40.0, "time/generation_s": 20.0, "time/training_s": 10.0,
+                       "time/optimizer_s": 0.25},
+        "startup": {"time/startup_model_s": 9.0},
+        "compiles_first_step": {"time/triton_compiles": 30, "time/triton_compile_s": 12.5,
+                                "time/triton_cache_loads": 2},
+        "compiles_later_steps": {"time/triton_compiles": 5, "time/triton_compile_s": 1.75,
+                                 "time/triton_cache_loads": 3},
+        "later_steps_median": {"time/step_s": 3.0, "time/generation_s": 1.5, "time/training_s": 0.75,
+                               "time/optimizer_s": 0.25}}
+
+
+def test_the_fresh_runs_kernels_are_read_from_its_triton_cache(tmp_path):
+    cache = first_step.cache_environment(str(tmp_path))["TRITON_CACHE_DIR"]
+    for variant, name in enumerate(["chunk_fwd", "chunk_fwd", "rmsnorm", "chunk_fwd", "rmsnorm", "matmul"]):
+        os.makedirs(os.path.join(cache, f"HASH{variant}"))
+        for suffix in (".cubin", ".json", ".ptx", ".ttgir"):
+            open(os.path.join(cache, f"HASH{variant}", name + suffix), "w").close()
+    open(os.path.join(cache, "HASH0", "__grp__chunk_fwd.json"), "w").close()
+    kernels = first_step.triton_kernels(str(tmp_path))
+    assert kernels == {"chunk_fwd": 3, "rmsnorm": 2, "matmul": 1} and list(kernels) == ["chunk_fwd", "rmsnorm", "matmul"]
+
+
 def test_every_cache_lives_under_the_rounds_directory(tmp_path):
     env = first_step.cache_environment(str(tmp_path))
     for name in first_step.CACHE_VARIABLES:

@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from megatron_rl_bi.reporting.compiles import TritonCompiles
 from megatron_rl_bi.reporting.metrics import MetricsLogger, read_segments, read_step_records
 
 
@@ -28,6 +29,22 @@ def test_what_came_before_a_step_goes_into_its_record_alone(tmp_path):
     records = read_step_records(str(path))
     assert records[1] == {"step": 1, "time/startup_model_s": 4.0, "time/startup_sft_s": 2.0, "loss": -0.1}
     assert records[2] == {"step": 2, "loss": -0.2}
+
+
+def test_each_record_carries_the_triton_compilations_since_the_record_before(tmp_path):
+    path = tmp_path / "m.jsonl"
+    compiles = TritonCompiles()
+    logger = MetricsLogger(total_steps=2, jsonl_path=str(path), compiles=compiles)
+    compiles.compiled, compiles.seconds, compiles.loaded = 3, 2.5, 4
+    logger.log(1, {"loss": -0.1})
+    compiles.compiled, compiles.seconds = 1, 0.5
+    logger.log(2, {"loss": -0.2})
+    logger.close()
+    records = read_step_records(str(path))
+    assert records[1] == {"step": 1, "time/triton_compiles": 3, "time/triton_compile_s": 2.5,
+                          "time/triton_cache_loads": 4, "loss": -0.1}
+    assert records[2] == {"step": 2, "time/triton_compiles": 1, "time/triton_compile_s": 0.5,
+                          "time/triton_cache_loads": 0, "loss": -0.2}
 
 
 def test_read_step_records_keeps_the_latest_record_of_a_step(tmp_path):
