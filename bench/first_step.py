@@ -93,13 +93,15 @@ def run_once(flags: list[str], cache_dir: str, work_dir: str) -> dict:
 
 def summarize(steps: dict[int, dict], wall_s: float, first_record_s: float | None) -> dict:
     """A run's times from its step records: the first step's phases, start-up and compilations,
-    the later steps' phase medians and compilations in all."""
+    the later steps' phase medians, and their steps' seconds and compilations in all (the wall time
+    less the first record's and the later steps' is the rest: checkpoints, the process's exit)."""
     later = [record for step, record in steps.items() if step > 1]
     return {"wall_s": wall_s, "first_record_s": first_record_s,
             "first_step": {phase: steps[1][phase] for phase in PHASES},
             "startup": {phase: steps[1][phase] for phase in STARTUP if phase in steps[1]},
             "compiles_first_step": {key: steps[1][key] for key in COMPILES if key in steps[1]},
             "compiles_later_steps": {key: sum(r[key] for r in later if key in r) for key in COMPILES},
+            "later_steps_s": sum(r["time/step_s"] for r in later),
             "later_steps_median": {phase: statistics.median(r[phase] for r in later) for phase in PHASES}
             if later else None}
 

@@ -59,6 +59,7 @@ def test_a_runs_summary_by_hand():
                                 "time/triton_cache_loads": 2},
         "compiles_later_steps": {"time/triton_compiles": 5, "time/triton_compile_s": 1.75,
                                  "time/triton_cache_loads": 3},
+        "later_steps_s": 9.0,
         "later_steps_median": {"time/step_s": 3.0, "time/generation_s": 1.5, "time/training_s": 0.75,
                                "time/optimizer_s": 0.25}}
 
