@@ -272,23 +272,23 @@ def main() -> None:
             raise SystemExit(f"--table {args.table}: not a report of bench/suite.py (it has no 'models')")
         print(markdown_table(report))
         return
-    workdir = tempfile.mkdtemp(prefix="bench_suite_")
-    failures, models, profiles = [], {}, {}
-    for name in args.models:
-        rounds = []
-        for index in range(args.rounds):
-            profile, failed = profile_round(COMMON + MODELS[name] + args.extra_flags.split(), index, workdir, name)
-            failures += [f"{name} round {index}: {failure}" for failure in failed]
-            if profile is None:
-                break  # the next round would fail the same way (at 4af7568 all three ran out of memory)
-            rounds.append(profile)
-            profiles[name], models[name] = rounds[0], summarize_rounds(rounds)
-            save_report_so_far(args, models, profiles, None, failures)
-    gemm = None
-    if not args.skip_gemm:
-        gemm, failure = _run("gemm.py", [], "--output", os.path.join(workdir, "gemm.json"))
-        if failure:
-            failures.append(f"gemm: {failure}")
+    failures, models, profiles, gemm = [], {}, {}, None
+    with tempfile.TemporaryDirectory(prefix="bench_suite_") as workdir:  # each run's JSON, one round's weights
+        for name in args.models:
+            rounds = []
+            for index in range(args.rounds):
+                flags = COMMON + MODELS[name] + args.extra_flags.split()
+                profile, failed = profile_round(flags, index, workdir, name)
+                failures += [f"{name} round {index}: {failure}" for failure in failed]
+                if profile is None:
+                    break  # the next round would fail the same way (at 4af7568 all three ran out of memory)
+                rounds.append(profile)
+                profiles[name], models[name] = rounds[0], summarize_rounds(rounds)
+                save_report_so_far(args, models, profiles, None, failures)
+        if not args.skip_gemm:
+            gemm, failure = _run("gemm.py", [], "--output", os.path.join(workdir, "gemm.json"))
+            if failure:
+                failures.append(f"gemm: {failure}")
     report = save_report_so_far(args, models, profiles, gemm, failures)
     if models:
         plot(models, os.path.splitext(args.output)[0] + ".png")

@@ -144,6 +144,26 @@ def test_a_round_that_wrote_nothing_is_not_repeated(tmp_path, monkeypatch):
     assert len(calls) == 2 and suite.read_object(str(tmp_path / "b.json"))["rounds"] == 0
 
 
+def test_the_suite_leaves_no_working_directory_behind(tmp_path, monkeypatch):
+    """Each run's JSON is in the report; nothing is left under the temporary directory."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(suite.tempfile, "tempdir", str(scratch))
+
+    def run(script, flags, output_flag, path):
+        open(path, "w").close()
+        if "--bench-mode" not in flags:  # bench/gemm.py
+            return {"shapes": []}, None
+        return {flags[flags.index("--bench-mode") + 1]: MODE}, None
+
+    monkeypatch.setattr(suite, "_run", run)
+    monkeypatch.setattr(suite, "plot", lambda models, path: None)
+    monkeypatch.setattr(suite.sys, "argv", ["suite.py", "--output", str(tmp_path / "b.json"), "--models",
+                                            "qwen3_4b_long", "--rounds", "2"])
+    suite.main()
+    assert os.listdir(scratch) == [] and suite.read_object(str(tmp_path / "b.json"))["rounds"] == 2
+
+
 def test_a_run_stopped_between_rounds_keeps_the_rounds_it_finished(tmp_path, monkeypatch):
     output = tmp_path / "bench.json"
     calls = []
