@@ -1,12 +1,14 @@
 r"""Where the time goes, in BI and in default mode on the same weights: the generation's time as a
 caller sees it (the median wall time of three unsynchronized generations, the GPU done at the end),
-the wall time of every engine step of a generation timed alone (synchronized; the first is the
-prefill, the rest decode steps), the same steps unsynchronized (the time between one step's return
-and the next's, the pace a caller's loop sees, with whatever host work async scheduling overlaps),
-the decode step as a fraction of the HBM roofline, torch-profiler tables (self CPU and self GPU
-time per op, per step) of decode steps and of a packed trainer forward+backward, a cProfile table
-of the decode steps' Python functions (own and cumulative time per step), and the RL update's time
-(32 generations: packing, logprobs, loss, backward, optimizer step).
+the wall time of every engine step of a generation timed alone (synchronized; the first is a
+prefill), the same steps unsynchronized (the time between one step's return and the next's, the
+pace a caller's loop sees, with whatever host work async scheduling overlaps), the full-batch
+decode steps' medians of both (every request admitted and still active: `EngineStepHook`) and
+their fraction of the HBM roofline (the bytes each step reads, its requests' contexts counted),
+torch-profiler tables (self CPU and self GPU time per op, per step) of the first PROFILED_STEPS
+full-batch decode steps and of a packed trainer forward+backward, a cProfile table of those decode
+steps' Python functions (own and cumulative time per step), and the RL update's time (32
+generations: packing, logprobs, loss, backward, optimizer step).
 
   python bench/profile_steps.py <Megatron model flags> --flash-attention-version 4 \
       --bench-output results/profile_dense16_h200.json
@@ -36,7 +38,7 @@ from megatron_rl_bi import bi  # noqa: E402
 from megatron_rl_bi.models.build import cpu_state_dict  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12  # H200: a device-to-device copy measured there (the datasheet says 4.8e12)
-PROFILED_NEW_TOKENS = 10  # the torch profiler's generation: 8-9 decode steps once the prompts are in
+PROFILED_STEPS = 8  # the profilers' window: a generation's first full-batch decode steps
 TIMED_GENERATIONS = 3  # the generation time is their median: one host hiccup moves a single run
 
 
@@ -55,25 +57,36 @@ class EngineStepHook:
     """Wraps the engine's step. Synchronized, it records each step's wall time alone (the GPU
     idle at its start and done at its end). Unsynchronized, it records the time from the previous
     step's return (the first: from the generation's start) to this one's: what a caller's loop
-    sees, with whatever host work of one step overlaps GPU work of the one before. A profiler,
-    when given, runs over the decode steps only: from the first step after every request was
-    admitted (no prompt is left waiting, so no step after it prefills); `profiled_steps` counts
-    them. Steps outside `run` (the bench's rollouts) pass through unrecorded."""
+    sees, with whatever host work of one step overlaps GPU work of the one before.
+
+    A step is a full-batch decode step when at its start every request is active: all were
+    admitted, and prefilled, by earlier steps (so it prefills none), and none has finished or been
+    paused. These are the steps a decode measurement takes, each with the same requests. Where
+    prompts are long, admitting them takes a step or more each, and the first requests finish
+    while the last are still prefilled unless a generation has more new tokens than that. Synchronized, each one's
+    context tokens (what its attention reads) are counted before it is timed. A profiler, when
+    given, runs over the first PROFILED_STEPS of them; `profiled_steps` counts them. Steps outside
+    `run` (the bench's rollouts) pass through unrecorded."""
 
     def __init__(self, engine):
         self.engine, self.step = engine, engine.step_modern
         self.times: list[float] = []
-        self.profiler, self.synchronize, self.last_return = None, True, 0.0
+        self.full_batch: list[bool] = []
+        self.context_tokens: list[int] = []
+        self.profiler, self.synchronize, self.last_return, self.requests = None, True, 0.0, 0
         self.profiled_steps, self.recording = 0, False
         engine.step_modern = self
 
     def __call__(self, *args, **kwargs):
         if not self.recording:
             return self.step(*args, **kwargs)
-        if self.profiler is not None and (self.profiled_steps or self.prompts_admitted()):
-            if not self.profiled_steps:
-                self.profiler.start()
-            self.profiled_steps += 1
+        context = self.engine.context
+        full_batch = context.get_active_request_count() == self.requests
+        if full_batch and self.synchronize:
+            self.context_tokens.append(int(context.get_active_sequence_lengths().sum()))
+        profiled = full_batch and self.profiler is not None and self.profiled_steps < PROFILED_STEPS
+        if profiled and not self.profiled_steps:
+            self.profiler.start()
         if self.synchronize:
             torch.cuda.synchronize()
             self.last_return = time.perf_counter()
@@ -82,25 +95,33 @@ class EngineStepHook:
             torch.cuda.synchronize()
         now = time.perf_counter()
         self.times.append(now - self.last_return)
+        self.full_batch.append(full_batch)
         self.last_return = now
+        if profiled:
+            self.profiled_steps += 1
+            if self.profiled_steps == PROFILED_STEPS:
+                self.profiler.stop()
         return result
 
-    def prompts_admitted(self) -> bool:
-        return bool(self.times) and not self.engine.waiting_request_ids
-
     def run(self, work: Workload, new_tokens: int, profiler=None, synchronize: bool = True) -> list[float]:
-        self.times, self.profiler, self.synchronize = [], profiler, synchronize
+        self.times, self.full_batch, self.context_tokens = [], [], []
+        self.profiler, self.synchronize, self.requests = profiler, synchronize, len(work.prompts)
         self.profiled_steps, self.last_return, self.recording = 0, time.perf_counter(), True
         try:
             work.generate(new_tokens)
         finally:
             self.recording = False
-        if profiler is not None:
-            if not self.profiled_steps:
-                raise RuntimeError(f"no decode step ran after every prompt was admitted in {len(self.times)} "
-                                   f"steps of {new_tokens} new tokens: nothing was profiled")
+        if not any(self.full_batch):
+            raise RuntimeError(f"no full-batch decode step in {len(self.times)} steps of {new_tokens} new tokens "
+                               f"for {self.requests} requests: nothing to measure (give --bench-new-tokens more "
+                               "than the steps that admit the requests)")
+        if profiler is not None and self.profiled_steps < PROFILED_STEPS:
             profiler.stop()
         return self.times
+
+    def full_batch_times(self) -> list[float]:
+        """The last run's full-batch decode steps' times."""
+        return [t for t, full in zip(self.times, self.full_batch) if full]
 
 
 def op_table(profiler, per: int, rows: int) -> dict[str, list[dict]]:
@@ -129,23 +150,27 @@ def step_time_summary(step_times: list[float]) -> dict:
             "slowest": [[i, step_times[i] * 1e3] for i in slowest]}
 
 
-def caller_generations(hook: EngineStepHook, work: Workload, new_tokens: int) -> tuple[float, list[list[float]]]:
+def caller_generations(hook: EngineStepHook, work: Workload,
+                       new_tokens: int) -> tuple[float, list[list[float]], list[float]]:
     """TIMED_GENERATIONS unsynchronized generations, as a caller runs them: their median wall time
-    (from the GPU idle to the GPU done) and each one's step intervals."""
-    walls, intervals = [], []
+    (from the GPU idle to the GPU done), each one's step intervals, and their full-batch decode
+    steps' intervals."""
+    walls, intervals, full_batch = [], [], []
     for _ in range(TIMED_GENERATIONS):
         torch.cuda.synchronize()
         start = time.perf_counter()
         intervals.append(hook.run(work, new_tokens, synchronize=False))
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - start)
-    return statistics.median(walls), intervals
+        full_batch += hook.full_batch_times()
+    return statistics.median(walls), intervals, full_batch
 
 
-def decode_bytes(args, work: Workload, new_tokens: int) -> float:
-    """HBM bytes one decode step must read: the weights (less the input embedding, of which a
-    step reads a row per request, when untied), the attention KV cache at the mean context, and
-    each GDN layer's recurrent state (fp32, read and written)."""
+def decode_bytes(args, work: Workload, context_tokens: int) -> float:
+    """HBM bytes a full-batch decode step must read: the weights (less the input embedding, of
+    which a step reads a row per request, when untied), the attention KV cache of its
+    `context_tokens` (the requests' contexts, summed), and each GDN layer's recurrent state (fp32,
+    read and written)."""
     params = dict(work.model.named_parameters())
     weights = sum(p.numel() * p.element_size() for p in params.values())
     if args.untie_embeddings_and_output_weights:
@@ -153,14 +178,17 @@ def decode_bytes(args, work: Workload, new_tokens: int) -> float:
         weights -= embedding.numel() * embedding.element_size()
     config, pattern = work.model.config, args.hybrid_layer_pattern
     attention_layers = pattern.count("*") if pattern else config.num_layers
-    context = statistics.mean(len(p) for p in work.prompts) + new_tokens / 2
     kv_per_token = 2 * config.num_query_groups * config.kv_channels * 2  # K and V, bf16
-    kv = attention_layers * len(work.prompts) * context * kv_per_token
     gdn = 0.0
     if pattern and "G" in pattern:
         state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
         gdn = pattern.count("G") * len(work.prompts) * state * 4 * 2
-    return weights + kv + gdn
+    return weights + attention_layers * context_tokens * kv_per_token + gdn
+
+
+def roofline_fraction(step_bytes: list[float], step_seconds: list[float]) -> float:
+    """The steps' median bytes read a second, as a fraction of HBM_BYTES_PER_S."""
+    return statistics.median(b / t for b, t in zip(step_bytes, step_seconds)) / HBM_BYTES_PER_S
 
 
 def trainer_times(args, work: Workload) -> dict:
@@ -182,25 +210,24 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
         hook = EngineStepHook(work.generator.engine)
         hook.run(work, args.bench_new_tokens)  # warm-up
         step_times = hook.run(work, args.bench_new_tokens)
-        decode_s = statistics.median(step_times[1:])
-        generate_s, paced_runs = caller_generations(hook, work, args.bench_new_tokens)
-        interval_s = statistics.median(t for run in paced_runs for t in run[1:])
+        decode_times, step_bytes = hook.full_batch_times(), [decode_bytes(args, work, n) for n in hook.context_tokens]
+        generate_s, paced_runs, paced_decode = caller_generations(hook, work, args.bench_new_tokens)
         decode_profile = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-        hook.run(work, PROFILED_NEW_TOKENS, decode_profile)
+        hook.run(work, args.bench_new_tokens, decode_profile)
         profiled_decode_steps = hook.profiled_steps
         python_profile = PythonProfiler()
         hook.run(work, args.bench_new_tokens, python_profile, synchronize=False)
-        step_bytes = decode_bytes(args, work, args.bench_new_tokens)
         result = {
             "generate_s": generate_s,
             "engine_steps": step_time_summary(step_times),
             "engine_steps_unsynchronized": step_time_summary(paced_runs[0]),
             "prefill_ms": step_times[0] * 1e3,
-            "decode_step_ms_median": decode_s * 1e3,
-            "decode_interval_ms_median": interval_s * 1e3,
-            "decode_tokens_per_s": len(work.prompts) / interval_s,  # the pace a caller gets
-            "decode_bytes_per_step": step_bytes,
-            "decode_hbm_roofline_fraction": step_bytes / decode_s / HBM_BYTES_PER_S,
+            "decode_steps": len(decode_times),
+            "decode_step_ms_median": statistics.median(decode_times) * 1e3,
+            "decode_interval_ms_median": statistics.median(paced_decode) * 1e3,
+            "decode_tokens_per_s": len(work.prompts) / statistics.median(paced_decode),  # the pace a caller gets
+            "decode_bytes_per_step": statistics.median(step_bytes),
+            "decode_hbm_roofline_fraction": roofline_fraction(step_bytes, decode_times),
             "decode_ops": op_table(decode_profile, profiled_decode_steps, args.bench_op_rows),
             "decode_ops_steps": profiled_decode_steps,
             "decode_python": python_table(python_profile, hook.profiled_steps, args.bench_op_rows),

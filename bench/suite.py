@@ -56,13 +56,14 @@ MODELS = {
     # and its CPU optimizer one run outlasted a device call (9 minutes, killed in its second mode).
     # Full recompute as the recipe: the parity check's trainer forward (autograd on, as the RL
     # step) of up to 16K tokens held 5.5 MB of activations a token without it, beside the cache,
-    # and ran out of memory (4af7568).
+    # and ran out of memory (4af7568). 128 new tokens: admitting the 64 prompts takes a step or
+    # more each, and a decode step is measured only once all 64 are in and none has finished.
     "qwen3_4b_long": ["--num-layers", "36", "--hidden-size", "2560", "--ffn-hidden-size", "9728",
                       "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
                       "--kv-channels", "128", "--qk-layernorm", "--bench-vocab-size", "151936",
                       "--seq-length", "8192", "--max-position-embeddings", "8192",
                       "--inference-max-seq-length", "8192", "--inference-dynamic-batching-buffer-size-gb", "64",
-                      "--bench-requests", "64", "--bench-prompt-tokens", "4096", "8064", "--bench-new-tokens", "64",
+                      "--bench-requests", "64", "--bench-prompt-tokens", "4096", "8064", "--bench-new-tokens", "128",
                       "--bench-generation-only",
                       "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
     # Qwen3-30B-A3B's widths (128 experts, 8 a token, 768 wide; 32 heads, 4 KV groups) at 4 layers,

@@ -7,6 +7,7 @@ import os
 import types
 
 import pytest
+import torch
 
 from megatron_rl_bi.config import build_parser
 
@@ -233,20 +234,40 @@ class _Clock:
         return self.now
 
 
-class _FakeEngine:
-    """An engine whose steps take known host times on a fake clock (no GPU, no sleeping)."""
+class _FakeContext:
+    """The engine's context as the hook reads it: active requests and their summed contexts."""
 
-    def __init__(self, clock, step_seconds):
+    def __init__(self, active, context_tokens):
+        self.active, self.context_tokens = active, context_tokens
+
+    def get_active_request_count(self):
+        return self.active
+
+    def get_active_sequence_lengths(self):
+        return torch.tensor([self.context_tokens])
+
+
+class _FakeEngine:
+    """An engine whose steps take known host times on a fake clock (no GPU, no sleeping). Its
+    context has, before each step, the `active` requests of a schedule (all `requests` when none
+    is given), and each step adds a token to every active request's context."""
+
+    def __init__(self, clock, step_seconds, requests=2, active=None):
         self.clock, self.step_seconds, self.steps = clock, step_seconds, 0
+        self.active = active or [requests] * len(step_seconds)
+        self.context = _FakeContext(self.active[0], 100)
 
     def step_modern(self):
         self.clock.now += self.step_seconds[self.steps]
+        self.context.context_tokens += self.context.active
         self.steps += 1
+        if self.steps < len(self.active):
+            self.context.active = self.active[self.steps]
 
 
 class _FakeWork:
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, requests=2):
+        self.engine, self.prompts = engine, [[1]] * requests
 
     def generate(self, new_tokens):
         for _ in range(new_tokens):
@@ -276,30 +297,88 @@ def test_unsynchronized_hook_records_the_time_between_step_returns(profile_steps
 def test_caller_generations_take_the_median_wall_time(profile_steps):
     engine = _FakeEngine(profile_steps.clock, [0.25, 0.0, 1.0, 0.0, 0.5, 0.0])  # three generations of two steps
     hook = profile_steps.EngineStepHook(engine)
-    generate_s, intervals = profile_steps.caller_generations(hook, _FakeWork(engine), 2)
+    generate_s, intervals, full_batch = profile_steps.caller_generations(hook, _FakeWork(engine), 2)
     assert intervals == [[0.25, 0.0], [1.0, 0.0], [0.5, 0.0]] and engine.steps == 6
+    assert full_batch == [0.25, 0.0, 1.0, 0.0, 0.5, 0.0]
     assert generate_s == 0.5  # the middle one: the 1.0 s run does not move it
 
 
-def test_hook_profiles_only_steps_after_every_prompt_is_admitted(profile_steps):
-    engine = _FakeEngine(profile_steps.clock, [0.0] * 5)
-    engine.waiting_request_ids = [7, 8]
-    work = _FakeWork(engine)
-    original_step = engine.step_modern
+# The active requests before each step: four long prompts, one admitted (prefilled) a step in
+# steps 0-3, the first finishing after step 6; steps 4-6 have all four and prefill none
+LONG_PROMPTS = [0, 1, 2, 3, 4, 4, 4, 3, 2]
 
-    def admit_after_two_steps():
-        original_step()
-        if engine.steps == 2:
-            engine.waiting_request_ids = []
 
-    engine.step_modern = admit_after_two_steps
+def test_only_full_batch_decode_steps_are_measured_each_with_its_context_tokens(profile_steps):
+    """The context is counted before the step is timed: counting it moves no step's time."""
+    seconds = [4.0, 4.0, 4.0, 4.0, 1.0, 2.0, 1.5, 0.5, 0.25]
+    engine = _FakeEngine(profile_steps.clock, seconds, active=LONG_PROMPTS)
+    counted = engine.context.get_active_sequence_lengths
+
+    def slow_count():
+        profile_steps.clock.now += 100.0
+        return counted()
+
+    engine.context.get_active_sequence_lengths = slow_count
     hook = profile_steps.EngineStepHook(engine)
-    profiler = bench_report.PythonProfiler()
-    hook.run(work, 5, profiler, synchronize=False)
-    assert hook.profiled_steps == 3  # steps 3, 4, 5
-    engine.steps, engine.waiting_request_ids = 0, [9]  # never admitted: nothing to profile
-    with pytest.raises(RuntimeError, match="nothing was profiled"):
-        hook.run(work, 1, bench_report.PythonProfiler(), synchronize=False)
+    assert hook.run(_FakeWork(engine, requests=4), 9) == seconds
+    assert hook.full_batch == [False] * 4 + [True] * 3 + [False] * 2  # step 3 admits the fourth
+    assert hook.full_batch_times() == [1.0, 2.0, 1.5]
+    # 100 + 0 + 1 + 2 + 3 tokens before step 4, then 4 more a step
+    assert hook.context_tokens == [106, 110, 114]
+
+
+def test_an_unsynchronized_run_counts_no_context_tokens(profile_steps):
+    engine = _FakeEngine(profile_steps.clock, [1.0] * 9, active=LONG_PROMPTS)
+    hook = profile_steps.EngineStepHook(engine)
+    hook.run(_FakeWork(engine, requests=4), 9, synchronize=False)
+    assert hook.full_batch_times() == [1.0] * 3 and hook.context_tokens == []
+
+
+def test_a_generation_without_a_full_batch_decode_step_fails_naming_the_flag(profile_steps):
+    engine = _FakeEngine(profile_steps.clock, [1.0] * 4, active=LONG_PROMPTS)
+    with pytest.raises(RuntimeError, match="no full-batch decode step in 4 steps of 4 new tokens for 4 requests.*"
+                                           "--bench-new-tokens"):
+        profile_steps.EngineStepHook(engine).run(_FakeWork(engine, requests=4), 4)
+
+
+class _CountingProfiler:
+    def __init__(self, engine):
+        self.engine, self.events = engine, []
+
+    def start(self):
+        self.events.append(("start", self.engine.steps))
+
+    def stop(self):
+        self.events.append(("stop", self.engine.steps))
+
+
+def test_the_profilers_window_is_the_first_full_batch_decode_steps(profile_steps, monkeypatch):
+    monkeypatch.setattr(profile_steps, "PROFILED_STEPS", 2)
+    engine = _FakeEngine(profile_steps.clock, [0.0] * 9, active=LONG_PROMPTS)
+    hook, profiler = profile_steps.EngineStepHook(engine), _CountingProfiler(engine)
+    hook.run(_FakeWork(engine, requests=4), 9, profiler)
+    assert profiler.events == [("start", 4), ("stop", 6)] and hook.profiled_steps == 2  # steps 4 and 5
+    monkeypatch.setattr(profile_steps, "PROFILED_STEPS", 8)  # more than the generation has
+    engine = _FakeEngine(profile_steps.clock, [0.0] * 9, active=LONG_PROMPTS)
+    hook, profiler = profile_steps.EngineStepHook(engine), _CountingProfiler(engine)
+    hook.run(_FakeWork(engine, requests=4), 9, profiler)
+    assert profiler.events == [("start", 4), ("stop", 9)] and hook.profiled_steps == 3
+
+
+def test_a_decode_steps_bytes_and_its_roofline_fraction_by_hand(profile_steps, monkeypatch):
+    """Weights 2 x 8 x 2 B (the untied input embedding, 4 x 8 x 2 B, not counted); per context
+    token 2 (K, V) x 2 groups x 4 channels x 2 B = 32 B in each of 3 attention layers."""
+    model = torch.nn.Module()
+    model.embedding = torch.nn.Module()
+    model.embedding.word_embeddings = torch.nn.Embedding(4, 8, dtype=torch.bfloat16)
+    model.head = torch.nn.Parameter(torch.zeros(2, 8, dtype=torch.bfloat16))
+    model.config = types.SimpleNamespace(num_layers=3, num_query_groups=2, kv_channels=4)
+    args = types.SimpleNamespace(untie_embeddings_and_output_weights=True, hybrid_layer_pattern=None)
+    work = types.SimpleNamespace(model=model, prompts=[[1]] * 4)
+    assert profile_steps.decode_bytes(args, work, 10) == 32 + 3 * 10 * 32
+    monkeypatch.setattr(profile_steps, "HBM_BYTES_PER_S", 100.0)
+    # 100, 150 and 600 bytes a second: the median, 150, over the bandwidth
+    assert profile_steps.roofline_fraction([100.0, 300.0, 600.0], [1.0, 2.0, 1.0]) == 1.5
 
 
 def _tick(clock, seconds):
