@@ -410,13 +410,14 @@ else:
 """
 
 
-def _killed_host_leaves(python: str, how: str) -> list[int]:
+def _killed_host_leaves(python: str, how: str, scratch: str) -> list[int]:
     """The processes of a program still alive 1 s after the process that ran it (`how`: inside the
-    sandbox, or as its plain child) was killed."""
+    sandbox, or as its plain child) was killed; the killed process's temporary files are left in
+    `scratch`."""
     tag = uuid.uuid4().hex
     program = f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(30)', {tag!r}])"
     host = subprocess.Popen([sys.executable, "-c", HOST, program, python, how], cwd=REPO, stdout=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": REPO})
+                            env={**os.environ, "PYTHONPATH": REPO, "TMPDIR": scratch})
     try:
         assert host.stdout.readline() == b"started\n"
         # as long as the sandbox itself waits for a busy host's start-up (CI once took over 20 s)
@@ -434,8 +435,8 @@ def _killed_host_leaves(python: str, how: str) -> list[int]:
     return left
 
 
-def test_the_sandbox_dies_with_the_process_that_ran_it(python):
+def test_the_sandbox_dies_with_the_process_that_ran_it(python, tmp_path):
     """A trainer killed mid-turn (the OOM killer, a job's time limit) leaves no program running:
     bubblewrap's --die-with-parent; a plain child of the killed process lives on."""
-    assert _killed_host_leaves(python, "outside")
-    assert _killed_host_leaves(python, "inside") == []
+    assert _killed_host_leaves(python, "outside", str(tmp_path))
+    assert _killed_host_leaves(python, "inside", str(tmp_path)) == []
