@@ -63,10 +63,10 @@ class EngineStepHook:
     admitted, and prefilled, by earlier steps (so it prefills none), and none has finished or been
     paused. These are the steps a decode measurement takes, each with the same requests. Where
     prompts are long, admitting them takes a step or more each, and the first requests finish
-    while the last are still prefilled unless a generation has more new tokens than that. Synchronized, each one's
-    context tokens (what its attention reads) are counted before it is timed. A profiler, when
-    given, runs over the first PROFILED_STEPS of them; `profiled_steps` counts them. Steps outside
-    `run` (the bench's rollouts) pass through unrecorded."""
+    while the last are still prefilled unless a generation has more new tokens than that.
+    Synchronized, each one's context tokens (what its attention reads) are counted before it is
+    timed. A profiler, when given, runs over the first PROFILED_STEPS of them; `profiled_steps`
+    counts them. Steps outside `run` (the bench's rollouts) pass through unrecorded."""
 
     def __init__(self, engine):
         self.engine, self.step = engine, engine.step_modern
