@@ -1,7 +1,8 @@
 """Does a metrics JSONL (pretrain_rl.py --rl-metrics-jsonl) reproduce a reference's step records?
 Every value of the reference must be there and equal (==), except measurements of the machine
-(`time/*`, `throughput/*`, `memory/*`, and the seconds environments took, `rollouts/env_seconds`); metrics the reference does not have (added since) are
-listed, not compared. Exit status 1 and one line per difference otherwise.
+(`time/*`, `throughput/*`, `memory/*`, and the seconds environments took, `rollouts/env_seconds`:
+`is_machine_measurement`); metrics the reference does not have (added since) are listed, not
+compared. Exit status 1 and one line per difference otherwise.
 
   python tools/compare_metrics.py results/rl_tiny_h200.jsonl runs/tiny_sort/metrics.jsonl
 """
@@ -12,10 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_rl_bi.reporting.metrics import read_step_records  # noqa: E402
-
-TIMING_PREFIXES = ("time/", "throughput/", "memory/")
-TIMINGS = ("rollouts/env_seconds",)
+from megatron_rl_bi.reporting.metrics import is_machine_measurement, read_step_records  # noqa: E402
 
 
 def differences(expected: dict[int, dict], actual: dict[int, dict]) -> list[str]:
@@ -25,7 +23,7 @@ def differences(expected: dict[int, dict], actual: dict[int, dict]) -> list[str]
     if extra := sorted(set(actual) - set(expected)):
         found.append(f"steps not in the reference: {extra[:10]}")
     for step in sorted(set(expected) & set(actual)):
-        for key in sorted(k for k in expected[step] if not k.startswith(TIMING_PREFIXES) and k not in TIMINGS):
+        for key in sorted(k for k in expected[step] if not is_machine_measurement(k)):
             a, b = expected[step][key], actual[step].get(key, "<missing>")
             if a != b:
                 found.append(f"step {step} {key}: {a!r} != {b!r}")

@@ -19,6 +19,16 @@ if TYPE_CHECKING:  # Triton is imported by the runs that count its compilations,
     from megatron_rl_bi.reporting.compiles import TritonCompiles
 
 
+# Measurements of the machine, not of the run: they differ between runs that repeat each other bit
+# for bit (the seconds environments took among them)
+MACHINE_PREFIXES = ("time/", "throughput/", "memory/")
+MACHINE_METRICS = ("rollouts/env_seconds",)
+
+
+def is_machine_measurement(key: str) -> bool:
+    return key.startswith(MACHINE_PREFIXES) or key in MACHINE_METRICS
+
+
 class MetricsLogger:
     def __init__(
         self,

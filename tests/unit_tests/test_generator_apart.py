@@ -25,7 +25,7 @@ from megatron_rl_bi.config.from_args import (
 from megatron_rl_bi.envs import build_task
 from megatron_rl_bi.envs.tasks import JsonlTask
 from megatron_rl_bi.optimizer import build_lr_scheduler
-from megatron_rl_bi.reporting.metrics import MetricsLogger, read_step_records
+from megatron_rl_bi.reporting.metrics import MetricsLogger, is_machine_measurement, read_step_records
 from megatron_rl_bi.rl.generator_apart import Schedule, rank_batches, rank_validation, serve_generation
 from megatron_rl_bi.rl import loop
 from megatron_rl_bi.rl.loop import run_rl
@@ -34,7 +34,6 @@ from .conftest import free_port
 from .test_rl_loop import MODEL, TOK, ModelEngine, cpu_loop  # noqa: F401 - a fixture
 from .test_rl_step import SGD, TinyDDP
 
-TIMING = ("time/", "throughput/", "memory/")
 
 
 def _args(tmp_path, name: str, flags: list[str]):
@@ -115,7 +114,8 @@ def _apart(args, silent_generator: bool = False) -> None:
 
 
 def _non_timing(records: dict) -> dict:
-    return {step: {k: v for k, v in record.items() if not k.startswith(TIMING)} for step, record in records.items()}
+    return {step: {k: v for k, v in record.items() if not is_machine_measurement(k)}
+            for step, record in records.items()}
 
 
 @pytest.mark.parametrize("lag", [0, 2])

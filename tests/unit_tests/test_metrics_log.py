@@ -71,8 +71,10 @@ def test_compare_metrics_ignores_timings_only():
     spec = importlib.util.spec_from_file_location("compare_metrics", path)
     compare = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compare)
-    expected = {1: {"loss": 0.5, "time/step_s": 1.0, "rollouts/env_seconds": 0.1}, 2: {"loss": 0.25}}
-    assert compare.differences(expected, {1: {"loss": 0.5, "time/step_s": 9.0, "rollouts/env_seconds": 0.3},
+    expected = {1: {"loss": 0.5, "time/step_s": 1.0, "rollouts/env_seconds": 0.1, "memory/peak_allocated_gib": 4.0,
+                    "throughput/tokens_per_s": 10.0}, 2: {"loss": 0.25}}
+    assert compare.differences(expected, {1: {"loss": 0.5, "time/step_s": 9.0, "rollouts/env_seconds": 0.3,
+                                              "memory/peak_allocated_gib": 4.5, "throughput/tokens_per_s": 9.0},
                                           2: {"loss": 0.25}}) == []
     assert compare.differences(expected, {1: {"loss": 0.5}, 2: {"loss": 0.2500001}}) == [
         "step 2 loss: 0.25 != 0.2500001"]
