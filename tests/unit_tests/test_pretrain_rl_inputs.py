@@ -36,6 +36,26 @@ def test_the_tiny_recipe_reaches_the_gpu(pretrain_rl):
         pretrain_rl.main(TINY)
 
 
+def test_triton_compilations_are_counted_from_mains_start_into_the_logs_records(pretrain_rl, monkeypatch, tmp_path):
+    import types
+
+    from triton import knobs
+
+    from megatron_rl_bi.reporting.compiles import TritonCompiles
+
+    monkeypatch.setattr(knobs.compilation, "listener", None)
+    with pytest.raises(ReachedTheGPU):
+        pretrain_rl.main(TINY)
+    tally = knobs.compilation.listener
+    assert isinstance(tally, TritonCompiles)
+    monkeypatch.setattr(pretrain_rl.torch.distributed, "get_rank", lambda: 0)
+    args = types.SimpleNamespace(train_iters=1, rl_metrics_jsonl=str(tmp_path / "m.jsonl"), tensorboard_dir=None,
+                                 wandb_project=None, rl_samples_jsonl=None, batch_invariant_mode=False)
+    logger = pretrain_rl.build_logger(args, {}, None, [])
+    assert logger.compiles is tally
+    logger.close()
+
+
 def test_the_tiny_terminal_recipe_reaches_the_gpu(pretrain_rl, monkeypatch):
     """Its sandbox checked (bubblewrap runs /bin/sh) and every task's instruction encoded."""
     from ..sandbox_fixtures import sandbox_python
