@@ -40,18 +40,37 @@ def marker(tmp_path):
     return str(tmp_path / f"escaped-{uuid.uuid4().hex}")
 
 
+def host_processes():
+    """(pid, parent pid, arguments) of every host process still readable."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                arguments = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        yield int(pid), parent, arguments
+
+
 def processes_with(tag: str) -> list[int]:
     """Host processes that have `tag` as one of their arguments: a program that exec'd a command
     carrying it. Not a process whose argument merely contains it, such as a host given the
     program's text, or that host's fork in the moment before it execs another command."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if tag.encode() in f.read().split(b"\0"):
-                    found.append(int(pid))
-        except OSError:
-            continue
+    return [pid for pid, _, arguments in host_processes() if tag.encode() in arguments]
+
+
+def descendants(pid: int) -> list[str]:
+    """`pid`'s living descendants, each as its id and the start of its command line."""
+    children = {}
+    for child, parent, arguments in host_processes():
+        command = " ".join(b" ".join(arguments).decode(errors="replace").split())
+        children.setdefault(parent, []).append((child, command[:80]))
+    found, waiting = [], [pid]
+    while waiting:
+        for child, command in children.get(waiting.pop(), []):
+            found.append(f"{child}: {command}")
+            waiting.append(child)
     return found
 
 
@@ -71,26 +90,6 @@ def test_a_process_is_found_by_its_tag_argument_not_by_a_text_holding_the_tag():
         for process in (holding, tagged):
             process.kill()
             process.wait()
-
-
-def descendants(pid: int) -> list[str]:
-    """`pid`'s living descendants, each as its id and the start of its command line."""
-    children = {}
-    for other in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{other}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{other}/cmdline", "rb") as f:
-                command = " ".join(f.read().decode(errors="replace").replace("\0", " ").split())
-            children.setdefault(parent, []).append((int(other), command[:80]))
-        except (OSError, IndexError, ValueError):
-            continue
-    found, waiting = [], [pid]
-    while waiting:
-        for child, command in children.get(waiting.pop(), []):
-            found.append(f"{child}: {command}")
-            waiting.append(child)
-    return found
 
 
 FORK_EXEC = """
