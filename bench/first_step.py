@@ -63,15 +63,28 @@ def triton_kernels(cache_dir: str) -> dict[str, int]:
     return dict(found.most_common())
 
 
-def _first_record_seconds(metrics: str, process: subprocess.Popen, start: float) -> float | None:
-    """Seconds from `start` until `metrics` holds a step record (None if the process ends first)."""
-    while process.poll() is None:
-        if os.path.exists(metrics):
-            with open(metrics) as f:
-                if any(line.startswith('{"step"') for line in f):
-                    return time.perf_counter() - start
+def _step_lines(metrics: str) -> int:
+    """How many step records `metrics` holds so far (0 before the file exists)."""
+    if not os.path.exists(metrics):
+        return 0
+    with open(metrics) as f:
+        return sum(line.startswith('{"step"') for line in f)
+
+
+def _record_seconds(metrics: str, process: subprocess.Popen, start: float) -> tuple[float | None, float | None]:
+    """Seconds from `start` until `metrics` first holds a step record, and until its last one
+    appeared (to within a poll; None for both if the process wrote none)."""
+    first = last = None
+    seen = 0
+    while True:
+        running = process.poll() is None
+        count = _step_lines(metrics)
+        if count > seen:
+            seen, last = count, time.perf_counter() - start
+            first = last if first is None else first
+        if not running:
+            return first, last
         time.sleep(POLL_SECONDS)
-    return None
 
 
 def run_once(flags: list[str], cache_dir: str, work_dir: str) -> dict:
@@ -84,24 +97,31 @@ def run_once(flags: list[str], cache_dir: str, work_dir: str) -> dict:
                "--save", os.path.join(work_dir, "checkpoints")]
     start = time.perf_counter()
     process = subprocess.Popen(command, env=cache_environment(cache_dir), cwd=REPO)
-    first_record_s = _first_record_seconds(metrics, process, start)
+    first_record_s, last_record_s = _record_seconds(metrics, process, start)
     if process.wait() != 0:
         raise SystemExit(f"first_step.py: the run exited {process.returncode}: {' '.join(command)}")
+    if first_record_s is None:
+        raise SystemExit(f"first_step.py: the run wrote no step record to {metrics}: {' '.join(command)}")
     wall_s = time.perf_counter() - start
-    return summarize(read_step_records(metrics), wall_s, first_record_s)
+    return summarize(read_step_records(metrics), wall_s, first_record_s, last_record_s)
 
 
-def summarize(steps: dict[int, dict], wall_s: float, first_record_s: float | None) -> dict:
+def summarize(steps: dict[int, dict], wall_s: float, first_record_s: float, last_record_s: float) -> dict:
     """A run's times from its step records: the first step's phases, start-up and compilations,
-    the later steps' phase medians, and their steps' seconds and compilations in all (the wall time
-    less the first record's and the later steps' is the rest: checkpoints, the process's exit)."""
+    the later steps' phase medians, and their steps' seconds and compilations in all; where the
+    wall time goes beyond the first record and the steps: between the first and the last record
+    outside the steps (logging, saves due mid-run), and after the last record (the final
+    checkpoint, the process's exit)."""
     later = [record for step, record in steps.items() if step > 1]
-    return {"wall_s": wall_s, "first_record_s": first_record_s,
+    later_steps_s = sum(r["time/step_s"] for r in later)
+    return {"wall_s": wall_s, "first_record_s": first_record_s, "last_record_s": last_record_s,
             "first_step": {phase: steps[1][phase] for phase in PHASES},
             "startup": {phase: steps[1][phase] for phase in STARTUP if phase in steps[1]},
             "compiles_first_step": {key: steps[1][key] for key in COMPILES if key in steps[1]},
             "compiles_later_steps": {key: sum(r[key] for r in later if key in r) for key in COMPILES},
-            "later_steps_s": sum(r["time/step_s"] for r in later),
+            "later_steps_s": later_steps_s,
+            "between_records_beyond_steps_s": last_record_s - first_record_s - later_steps_s,
+            "after_last_record_s": wall_s - last_record_s,
             "later_steps_median": {phase: statistics.median(r[phase] for r in later) for phase in PHASES}
             if later else None}
 

@@ -50,8 +50,8 @@ def _record(step, step_s, compiles=None, **more):
 def test_a_runs_summary_by_hand():
     steps = {1: _record(1, 40.0, (30, 12.5, 2), **{"time/startup_model_s": 9.0}),
              2: _record(2, 2.0, (4, 1.5, 0)), 3: _record(3, 4.0), 4: _record(4, 3.0, (1, 0.25, 3))}
-    assert first_step.summarize(steps, 100.0, 60.0) == {
-        "wall_s": 100.0, "first_record_s": 60.0,
+    assert first_step.summarize(steps, 100.0, 60.0, 75.5) == {
+        "wall_s": 100.0, "first_record_s": 60.0, "last_record_s": 75.5,
         "first_step": {"time/step_s": 40.0, "time/generation_s": 20.0, "time/training_s": 10.0,
                        "time/optimizer_s": 0.25},
         "startup": {"time/startup_model_s": 9.0},
@@ -59,7 +59,7 @@ def test_a_runs_summary_by_hand():
                                 "time/triton_cache_loads": 2},
         "compiles_later_steps": {"time/triton_compiles": 5, "time/triton_compile_s": 1.75,
                                  "time/triton_cache_loads": 3},
-        "later_steps_s": 9.0,
+        "later_steps_s": 9.0, "between_records_beyond_steps_s": 6.5, "after_last_record_s": 24.5,
         "later_steps_median": {"time/step_s": 3.0, "time/generation_s": 1.5, "time/training_s": 0.75,
                                "time/optimizer_s": 0.25}}
 
@@ -81,14 +81,18 @@ def test_every_cache_lives_under_the_rounds_directory(tmp_path):
         assert env[name] == str(tmp_path / name.lower()) and os.path.isdir(env[name])
 
 
-def test_the_first_record_is_timed_when_its_line_appears(tmp_path):
+def test_the_first_and_the_last_record_are_timed_when_their_lines_appear(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     writer = subprocess.Popen([sys.executable, "-c", (
         "import time; f = open(%r, 'w'); f.write('{\"run\": {}}\\n'); f.flush(); time.sleep(1.0); "
-        "f.write('{\"step\": 1}\\n'); f.flush(); time.sleep(1.0)") % str(metrics)])
-    seconds = first_step._first_record_seconds(str(metrics), writer, first_step.time.perf_counter())
+        "f.write('{\"step\": 1}\\n'); f.flush(); time.sleep(1.0); f.write('{\"step\": 2}\\n'); f.flush(); "
+        "time.sleep(1.0)") % str(metrics)])
+    start = first_step.time.perf_counter()
+    first, last = first_step._record_seconds(str(metrics), writer, start)
+    wall = first_step.time.perf_counter() - start
     writer.wait()
-    assert seconds is not None and 1.0 <= seconds < 30  # not before the line: the writer sleeps 1 s first
+    # not before their lines: the writer sleeps 1 s before each, and 1 s after the last
+    assert 1.0 <= first and first + 1.0 <= last + first_step.POLL_SECONDS and last + 1.0 <= wall + first_step.POLL_SECONDS
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
-    assert first_step._first_record_seconds(str(tmp_path / "none.jsonl"), ended, 0.0) is None
+    assert first_step._record_seconds(str(tmp_path / "none.jsonl"), ended, 0.0) == (None, None)
