@@ -28,7 +28,7 @@ def test_case_matches_its_golden_values(path, tmp_path):
     assert os.path.isfile(golden_path), f"no {golden_path}: python tools/golden_values.py regenerate"
     with open(golden_path) as f:
         golden = json.load(f)
-    records, _ = golden_values.run_case(case, str(tmp_path), resume=case.test_type == "ckpt-resume")
+    records, _ = golden_values.run_case(case, str(tmp_path), checking=True)
     steps = golden_values.case_steps(case)
     failures = golden_values.compare(golden, records, steps)
     assert not failures, "\n".join(failures)
