@@ -277,3 +277,45 @@ def test_a_replay_environment_case_records_to_regenerate_and_plays_back_to_check
     (tmp_path / "model_config.yaml").write_text("REPLAY_ENVIRONMENT: yes please\nMODEL_ARGS: {--train-iters: 2}\n")
     with pytest.raises(ValueError, match="REPLAY_ENVIRONMENT 'yes please': expected true or false"):
         golden_values.load_case(str(tmp_path))
+
+
+def _golden_run(golden: dict, calls: list):
+    """A stand-in for pretrain_rl that logs `golden`'s values: the steps the process would run
+    (a stopped process up to --exit-interval, a resumed one after it), each golden metric at its
+    step (1.0 where the golden file has no value: the stopped half). Each call's flags go to `calls`."""
+    def pretrain_rl(case, extra):
+        calls.append(extra)
+        steps = int(case.model_args["--train-iters"])
+        first, last = 1, steps
+        if "--exit-interval" in extra:
+            last = int(extra[extra.index("--exit-interval") + 1])
+        elif "--load" in extra:
+            first = steps // 2 + 1
+        metrics = extra[extra.index("--rl-metrics-jsonl") + 1]
+        with open(metrics, "a") as f:
+            f.write(json.dumps({"run": STAMP}) + "\n")
+            for step in range(first, last + 1):
+                values = {name: golden[name]["values"].get(str(step), 1.0) for name in golden_values.METRICS}
+                f.write(json.dumps({"step": step, **values}) + "\n")
+    return pretrain_rl
+
+
+@pytest.mark.parametrize("path", golden_values.all_cases(), ids=lambda p: os.path.relpath(p, golden_values.CASES))
+def test_the_gpu_tests_own_body_runs_each_case_as_the_tool_checks_it(path, tmp_path, monkeypatch):
+    """tests/functional_tests/test_golden_values.py on the CPU, pretrain_rl replaced by a run
+    that logs the case's golden values: the GPU test's calls into the tool stay in step with it
+    (it called run_case with a keyword the tool had renamed, and every case failed at the call,
+    unseen until a GPU ran it)."""
+    from tests.functional_tests import test_golden_values as gpu_test
+
+    with open(os.path.join(path, golden_values.GOLDEN)) as f:
+        golden = json.load(f)
+    tested, checked = [], []
+    monkeypatch.setattr(gpu_test.golden_values, "_pretrain_rl", _golden_run(golden, tested))
+    monkeypatch.setattr(gpu_test.torch.cuda, "device_count", lambda: 8)
+    gpu_test.test_case_matches_its_golden_values(path, tmp_path)
+    # the runs it made are those `golden_values.py check` makes (a resume case's two among them)
+    os.remove(tmp_path / "m.jsonl")
+    monkeypatch.setattr(golden_values, "_pretrain_rl", _golden_run(golden, checked))
+    golden_values.run_case(golden_values.load_case(path), str(tmp_path), checking=True)
+    assert tested == checked
