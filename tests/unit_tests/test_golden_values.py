@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 
 import pytest
 
@@ -308,14 +309,17 @@ def test_the_gpu_tests_own_body_runs_each_case_as_the_tool_checks_it(path, tmp_p
     unseen until a GPU ran it)."""
     from tests.functional_tests import test_golden_values as gpu_test
 
-    with open(os.path.join(path, golden_values.GOLDEN)) as f:
+    case_dir = str(shutil.copytree(path, tmp_path / "case"))  # a recording run removes the case's recording
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with open(os.path.join(case_dir, golden_values.GOLDEN)) as f:
         golden = json.load(f)
     tested, checked = [], []
     monkeypatch.setattr(gpu_test.golden_values, "_pretrain_rl", _golden_run(golden, tested))
     monkeypatch.setattr(gpu_test.torch.cuda, "device_count", lambda: 8)
-    gpu_test.test_case_matches_its_golden_values(path, tmp_path)
+    gpu_test.test_case_matches_its_golden_values(case_dir, run_dir)
     # the runs it made are those `golden_values.py check` makes (a resume case's two among them)
-    os.remove(tmp_path / "m.jsonl")
+    os.remove(run_dir / "m.jsonl")
     monkeypatch.setattr(golden_values, "_pretrain_rl", _golden_run(golden, checked))
-    golden_values.run_case(golden_values.load_case(path), str(tmp_path), checking=True)
+    golden_values.run_case(golden_values.load_case(case_dir), str(run_dir), checking=True)
     assert tested == checked
