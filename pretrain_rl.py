@@ -20,7 +20,7 @@ import torch
 from megatron_rl_bi import bi
 from megatron_rl_bi.bridge import Bridge, Roles, bridge_address, join_world, roles_from_environment
 from megatron_rl_bi.checkpoints.hf import HFModel, check_hf_weights, read_hf_model
-from megatron_rl_bi.checkpoints.megatron import latest_checkpoint, read_rl_state
+from megatron_rl_bi.checkpoints.megatron import latest_checkpoint, read_rl_state, start_save_results_queue
 from megatron_rl_bi.config import installed_kernel_problem, parse_rl_args, print_arguments
 from megatron_rl_bi.config.from_args import (
     build_policy,
@@ -295,6 +295,7 @@ def train(inputs: RunInputs, bridge: Bridge | None, started: float) -> None:
 def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     count_triton_compiles()  # from the start: the first step's record counts the start-up's
+    start_save_results_queue()  # forked while this process has one thread and no CUDA
     try:
         inputs = read_inputs(argv)
     except ValueError as exc:  # bad input: the message names it, a traceback would bury it

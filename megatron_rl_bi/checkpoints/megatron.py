@@ -21,6 +21,7 @@ import shutil
 
 import torch
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
@@ -33,6 +34,15 @@ RL_STATE = "rl_state.pt"
 # and the *.distcp shards (torch.distributed.checkpoint's), common.pt (older megatron-core),
 # integrity.json (saves with verify_integrity).
 DIST_CHECKPOINT_FILES = ("metadata.json", ".metadata", "common.pt", "integrity.json")
+
+
+def start_save_results_queue() -> None:
+    """Starts, forked, the process through which megatron-core's torch_dist save hands back what
+    each save wrote (a multiprocessing Manager's queue). Left to the first save it is spawned, and
+    a spawned process imports the main module again: 5.3 s of the tiny hybrid run's one save on an
+    H100, 5.4 s of a first save on a CPU where forked it took 0.03 s. Call it before any thread
+    or CUDA starts, so that the fork copies neither."""
+    filesystem_async.get_write_results_queue(mp_mode="fork")
 
 
 def iteration_dir_name(step: int) -> str:

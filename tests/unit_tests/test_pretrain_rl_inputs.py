@@ -23,6 +23,8 @@ def pretrain_rl(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     monkeypatch.setattr(module, "installed_kernel_problem", lambda args: None)  # FA4 is GPU-only
+    # no Manager process forked from pytest's (test_checkpoint_save_queue.py runs the real one)
+    monkeypatch.setattr(module, "start_save_results_queue", lambda: None)
 
     def initialize_distributed(seed, **kwargs):
         raise ReachedTheGPU(seed)
@@ -54,6 +56,17 @@ def test_triton_compilations_are_counted_from_mains_start_into_the_logs_records(
     logger = pretrain_rl.build_logger(args, {}, None, [])
     assert logger.compiles is tally
     logger.close()
+
+
+def test_the_save_results_queue_starts_before_the_inputs_are_read(pretrain_rl, monkeypatch):
+    """Forked before anything that might start a thread (a tokenizer, an environment)."""
+    order = []
+    read_inputs = pretrain_rl.read_inputs
+    monkeypatch.setattr(pretrain_rl, "start_save_results_queue", lambda: order.append("queue"))
+    monkeypatch.setattr(pretrain_rl, "read_inputs", lambda argv: order.append("inputs") or read_inputs(argv))
+    with pytest.raises(ReachedTheGPU):
+        pretrain_rl.main(TINY)
+    assert order == ["queue", "inputs"]
 
 
 def test_the_tiny_terminal_recipe_reaches_the_gpu(pretrain_rl, monkeypatch):
