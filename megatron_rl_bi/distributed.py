@@ -11,22 +11,19 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 
-def _set_rendezvous_address() -> None:
-    """Where the process group meets, unless the launcher said: a plain single process (a tool,
-    a GPU test) takes a free port of its own, since torch's default, 29500, is also torchrun's,
-    and two of them on one machine (a tool beside a job) would fail with EADDRINUSE; processes
-    of a larger world keep the port they all know."""
+def _init_process_group(backend: str) -> None:
+    """The default process group, from the launcher's environment. A plain single process (a
+    tool, a GPU test, a run without torchrun) meets itself in memory: a rendezvous over TCP needs
+    a port, and two such processes started together on one machine took the same free port, and
+    one failed with EADDRINUSE (GPU tests side by side on an H100). A larger world meets at
+    MASTER_ADDR:MASTER_PORT (127.0.0.1:29500 unless the launcher said)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1 and "MASTER_PORT" not in os.environ:
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+        return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        single = int(os.environ.get("WORLD_SIZE", 1)) == 1
-        os.environ["MASTER_PORT"] = str(free_port()) if single else "29500"
-
-
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    os.environ.setdefault("MASTER_PORT", "29500")
+    torch.distributed.init_process_group(backend, rank=int(os.environ.get("RANK", 0)), world_size=world)
 
 
 def initialize_distributed(seed: int, cuda_graphs: bool = False, share_gpus: bool = False) -> None:
@@ -37,12 +34,7 @@ def initialize_distributed(seed: int, cuda_graphs: bool = False, share_gpus: boo
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank % torch.cuda.device_count() if share_gpus else local_rank)
     if not torch.distributed.is_initialized():
-        _set_rendezvous_address()
-        torch.distributed.init_process_group(
-            "nccl",
-            rank=int(os.environ.get("RANK", 0)),
-            world_size=int(os.environ.get("WORLD_SIZE", 1)),
-        )
+        _init_process_group("nccl")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=1, pipeline_model_parallel_size=1
@@ -55,9 +47,7 @@ def launch_processes() -> list[dict]:
     environment, and megatron-core's data-parallel groups as a run builds them; every process's
     rank, world size, node and data-parallel group, gathered on every rank."""
     if not torch.distributed.is_initialized():
-        _set_rendezvous_address()
-        torch.distributed.init_process_group("gloo", rank=int(os.environ.get("RANK", 0)),
-                                             world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        _init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     mine = {"rank": torch.distributed.get_rank(), "world_size": torch.distributed.get_world_size(),
             "local_rank": int(os.environ.get("LOCAL_RANK", 0)),

@@ -1,14 +1,21 @@
 import contextlib
 import os
 import shutil
+import socket
 import tempfile
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_rl_bi.distributed import free_port  # noqa: F401 - the tests take it from here
 from megatron_rl_bi.envs import sandbox
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 class ScriptedGenerator:

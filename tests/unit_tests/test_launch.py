@@ -78,3 +78,15 @@ def test_a_plain_process_meets_beside_a_job_on_the_default_port():
                                  "print(launch_processes()[0]['world_size']); torch.distributed.destroy_process_group()"],
                                 capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0 and result.stdout.strip().endswith("1"), result.stderr[-2000:]
+
+
+def test_a_plain_process_meets_itself_in_memory():
+    """No port to race for: two plain processes started together took the same free port and
+    one failed with EADDRINUSE (GPU tests side by side on an H100)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
+    result = subprocess.run([sys.executable, "-c", "import os, torch; from megatron_rl_bi.distributed import launch_processes; "
+                             "launch_processes(); from torch.distributed import distributed_c10d as c10d; "
+                             "print(type(c10d._get_default_store().underlying_store).__name__, 'MASTER_PORT' in os.environ); "
+                             "torch.distributed.destroy_process_group()"],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0 and result.stdout.strip().endswith("HashStore False"), result.stderr[-2000:]
