@@ -8,8 +8,10 @@ setup(
     python_requires=">=3.12",
     install_requires=[
         "megatron-core==0.19.2",
+        # fla's kernels (fla.ops, fla.modules). Not flash-linear-attention, fla's layers and models:
+        # nothing here uses them, and with them installed every import of fla imports them too
+        # (1.4 s a process here, 13 s on the H100 without bytecode).
         "fla-core==0.6.0",
-        "flash-linear-attention==0.6.0",
         "torch>=2.8",
         "einops",
         "numpy",
