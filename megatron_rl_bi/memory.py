@@ -504,6 +504,8 @@ def plan_memory(run: RunShape, levers: Levers) -> MemoryPlan:
     """Every piece of GPU state by phase, and the levers that would lower the peak."""
     plan = MemoryPlan(_items(run, levers), run.gpu_bytes)
     plan.suggestions = suggestions(run, levers, plan.peak_bytes)
+    if plan.peak_bytes <= plan.gpu_bytes and (fewer := fewer_recomputed_layers(run, levers, plan.peak_bytes)):
+        plan.suggestions.append(fewer)
     if run.role != "generator":
         plan.host_optimizer_bytes = host_optimizer_bytes(parameter_count(run.model), run.model, levers,
                                                          run.data_parallel)
@@ -595,6 +597,26 @@ def suggestions(run: RunShape, levers: Levers, peak: int) -> list[str]:
             found.append((other, f"--rl-micro-batch-tokens {half.micro_batch_tokens}: peak "
                                  f"{peak / GIB:.1f} -> {other / GIB:.1f} GiB"))
     return [text for _, text in sorted(found)]
+
+
+def fewer_recomputed_layers(run: RunShape, levers: Levers, peak: int) -> str | None:
+    """Under full recompute, the fewest layers megatron-core's block method recomputes (the first
+    n; the rest keep their activations) while training's peak stays within `peak`: each layer
+    not recomputed is a forward the backward no longer runs. None when none can be spared."""
+    if levers.recompute.granularity != "full":
+        return None
+    layers = len(run.model.layers)
+    now = layers if levers.recompute.method != "block" else min(levers.recompute.num_layers, layers)
+    for n in range(now):
+        fewer = Recompute("full", "block", n) if n else Recompute()
+        training = sum(i.bytes for i in _items(run, replace(levers, recompute=fewer)) if TRAINING in i.phases)
+        if training <= peak:
+            flags = (f"--recompute-method block --recompute-num-layers {n}" if n else
+                     "no --recompute-granularity")
+            return (f"{flags}: {n} of {layers} layers recomputed, not {now}, and training's peak "
+                    f"{training / GIB:.1f} GiB stays within the peak {peak / GIB:.1f} GiB: a faster "
+                    "backward, no more memory")
+    return None
 
 
 def format_plan(plan: MemoryPlan) -> str:

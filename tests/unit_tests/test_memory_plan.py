@@ -415,3 +415,21 @@ def test_the_node_s_memory_is_its_cgroup_s_limit_where_that_is_lower(tmp_path, m
     monkeypatch.setattr(memory, "CGROUP_MEMORY_MAX", str(path))
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert memory.node_memory_bytes() == (expected or physical)
+
+
+def test_fewer_recomputed_layers_where_training_stays_within_the_peak():
+    """DENSE, 10 tokens, the cache freed while training: state 18 * 372 = 6696 bytes, LM head 2880.
+    Activations under full recompute: uniform 1, two layer inputs of 10 * 4 * 2 = 80 bytes, 160;
+    block 1, one input and the second layer's 1640, 1720; none, 3280. Training: 9736, 11296,
+    12856 bytes; generation 6696 + the cache."""
+    uniform = Levers(recompute=Recompute("full", "uniform", 1), kv_cache_mode="recompute")
+    suggested = {buffer: [text for text in plan_memory(_run(buffer=buffer), uniform).suggestions
+                          if "layers recomputed" in text] for buffer in (3000, 5000, 7000)}
+    assert suggested[3000] == []  # the peak is training's own (9736 > 9696)
+    assert suggested[5000][0].startswith("--recompute-method block --recompute-num-layers 1: 1 of 2 layers "
+                                         "recomputed, not 2")  # 11296 <= 11696 < 12856
+    assert suggested[7000][0].startswith("no --recompute-granularity: 0 of 2 layers recomputed")  # 12856 <= 13696
+    assert not [text for text in plan_memory(_run(buffer=7000), Levers(kv_cache_mode="recompute")).suggestions
+                if "layers recomputed" in text]  # nothing recomputed: nothing to spare
+    over = plan_memory(_run(buffer=5000, gpu=10_000), uniform)  # does not fit: less recompute is no help
+    assert not [text for text in over.suggestions if "layers recomputed" in text]
