@@ -30,6 +30,7 @@ from megatron_rl_bi.checkpoints.megatron import (  # noqa: E402
     load_pretrained_weights,
     resolve_checkpoint_dir,
     save_weights,
+    start_save_results_queue,
 )
 from megatron_rl_bi.config import (  # noqa: E402
     add_hf_args,
@@ -108,6 +109,7 @@ def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in MODES:
         raise SystemExit(f"usage: convert_hf.py {{{','.join(MODES)}}} --hf-checkpoint DIR [flags]")
     mode = sys.argv[1]
+    start_save_results_queue()  # forked while this process has one thread and no CUDA
     try:
         args, hf = read_inputs(mode, sys.argv[2:])
     except ValueError as exc:  # bad input: the message names it, a traceback would bury it

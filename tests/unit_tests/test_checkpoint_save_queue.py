@@ -1,7 +1,8 @@
 """megatron-core's torch_dist save hands back what it wrote through a multiprocessing Manager's
-queue; pretrain_rl starts that Manager forked at its start (start_save_results_queue), not
-spawned at the first save, where it imported the main module again. Checked in a process of its
-own that imports pretrain_rl as a run does, then saves and loads a sharded tensor on gloo (CPU)."""
+queue; pretrain_rl and tools/convert_hf.py start that Manager forked at their start
+(start_save_results_queue), not spawned at the first save, where it imported the main module
+again. Checked in a process of its own that imports pretrain_rl as a run does, then saves and
+loads a sharded tensor on gloo (CPU); and each entry point starts it before reading its inputs."""
 
 import os
 import subprocess
@@ -44,3 +45,25 @@ def test_the_save_results_queue_is_forked_at_the_start_and_used_by_the_save(tmp_
     done = subprocess.run([sys.executable, "-c", PROGRAM, REPO, str(tmp_path / "checkpoint"), str(free_port())],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0 and "saved through the forked queue" in done.stdout, done.stderr[-3000:]
+
+
+def test_the_hf_import_tool_starts_the_queue_before_reading_its_inputs(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convert_hf", os.path.join(REPO, "tools", "convert_hf.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    order = []
+
+    def read_inputs(mode, argv):
+        order.append("inputs")
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(tool, "start_save_results_queue", lambda: order.append("queue"))
+    monkeypatch.setattr(tool, "read_inputs", read_inputs)
+    monkeypatch.setattr(sys, "argv", ["convert_hf.py", "import"])
+    try:
+        tool.main()
+    except SystemExit as exc:
+        assert "stop here" in str(exc)
+    assert order == ["queue", "inputs"]
