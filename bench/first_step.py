@@ -2,7 +2,8 @@ r"""Time to the first step, with empty compile caches (a fresh machine) and with
 filled (a warm one): the run's whole wall time, the time until its first step's record is written,
 the start-up's phases before it, and the first step's phases against the median of its later
 steps; the Triton compilations its records count (up to and in the first step, and after it), and
-after the fresh run, the kernels in the round's Triton cache with their compiled variants. Each
+after the fresh run, the kernels in the round's Triton cache with their compiled variants and
+FlashAttention-4's compiled kernels by family. Each
 round runs the command twice on one new cache directory (Triton's kernels and autotuning picks,
 TorchInductor's, CUTLASS DSL's (FlashAttention-4), the CUDA JIT's, and TMPDIR/XDG_CACHE_HOME, where
 the rest keep theirs): first empty, then filled. The ratios are the rounds' medians. A fresh
@@ -60,6 +61,17 @@ def triton_kernels(cache_dir: str) -> dict[str, int]:
     found = collections.Counter(name.removesuffix(".cubin")
                                 for _, _, names in os.walk(cache_paths(cache_dir)["TRITON_CACHE_DIR"])
                                 for name in names if name.endswith(".cubin"))
+    return dict(found.most_common())
+
+
+def flash_attention_kernels(cache_dir: str) -> dict[str, int]:
+    """FlashAttention-4's compiled kernels in its disk cache under `cache_dir` (it keeps it under
+    TMPDIR: <user>/flash_attention_cute_dsl_cache/<source fingerprint>/<family>/<key>.o), counted
+    by family (fwd, bwd, bwd_pre, ...), the most first."""
+    found = collections.Counter(os.path.basename(directory)
+                                for directory, _, names in os.walk(cache_paths(cache_dir)["TMPDIR"])
+                                if "flash_attention_cute_dsl_cache" in directory.split(os.sep)
+                                for name in names if name.endswith(".o") and not name.startswith("."))
     return dict(found.most_common())
 
 
@@ -156,10 +168,10 @@ def main() -> None:
             cache_dir, work_dir = os.path.join(root, "caches"), os.path.join(root, "run")
             os.makedirs(work_dir)
             fresh = run_once(flags, cache_dir, work_dir)
-            fresh_kernels = triton_kernels(cache_dir)
+            kernels = {"fresh_triton_kernels": triton_kernels(cache_dir),
+                       "fresh_flash_attention_kernels": flash_attention_kernels(cache_dir)}
             warm = run_once(flags, cache_dir, work_dir)
-        rounds.append({"fresh": fresh, "warm": warm, "ratios": ratios(fresh, warm),
-                       "fresh_triton_kernels": fresh_kernels})
+        rounds.append({"fresh": fresh, "warm": warm, "ratios": ratios(fresh, warm), **kernels})
     medians = {key: statistics.median(r["ratios"][key] for r in rounds) for key in rounds[0]["ratios"]}
     report = {**provenance(), "flags": flags, "rounds": rounds, "medians": medians}
     write_report(report, medians, args.output)

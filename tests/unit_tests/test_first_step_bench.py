@@ -75,6 +75,20 @@ def test_the_fresh_runs_kernels_are_read_from_its_triton_cache(tmp_path):
     assert kernels == {"chunk_fwd": 3, "rmsnorm": 2, "matmul": 1} and list(kernels) == ["chunk_fwd", "rmsnorm", "matmul"]
 
 
+def test_the_fresh_runs_flash_attention_kernels_are_counted_by_family(tmp_path):
+    tmpdir = first_step.cache_environment(str(tmp_path))["TMPDIR"]
+    cache = os.path.join(tmpdir, "root", "flash_attention_cute_dsl_cache", "f1nger")
+    for family, key in [("fwd", "a"), ("fwd", "b"), ("bwd", "c"), ("fwd", "d"), ("bwd_pre", "e")]:
+        os.makedirs(os.path.join(cache, family), exist_ok=True)
+        open(os.path.join(cache, family, key + ".o"), "w").close()
+        open(os.path.join(cache, family, key + ".lock"), "w").close()
+    open(os.path.join(cache, "fwd", ".x.123.tmp.o"), "w").close()  # a write in progress
+    os.makedirs(os.path.join(tmpdir, "other", "fwd"))
+    open(os.path.join(tmpdir, "other", "fwd", "z.o"), "w").close()  # not FlashAttention's cache
+    kernels = first_step.flash_attention_kernels(str(tmp_path))
+    assert kernels == {"fwd": 3, "bwd": 1, "bwd_pre": 1} and list(kernels)[0] == "fwd"
+
+
 def test_every_cache_lives_under_the_rounds_directory(tmp_path):
     env = first_step.cache_environment(str(tmp_path))
     for name in first_step.CACHE_VARIABLES:
