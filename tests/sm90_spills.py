@@ -19,6 +19,12 @@ from megatron_rl_bi.bi import gemm, grouped_gemm
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
+def compiling_environment(**more: str) -> dict[str, str]:
+    """This process's environment for one that compiles Triton kernels: without TRITON_INTERPRET,
+    which the CPU tests set and under which nothing compiles; with `more` added."""
+    return {**{key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}, **more}
+
+
 def spill_bytes(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> int:
     """ptxas's spill stores and loads, in bytes, of `fn` compiled for sm_90a, specialized as a launch
     on real widths is: every pointer and integer argument a multiple of 16."""

@@ -14,7 +14,7 @@ import pytest
 
 from megatron_rl_bi.bi import gemm
 
-from ..sm90_spills import PTXAS
+from ..sm90_spills import PTXAS, compiling_environment
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.skipif(not os.path.exists(PTXAS), reason=f"no ptxas at {PTXAS}")
@@ -29,9 +29,8 @@ SPILLING = (gemm.TileConfig(256, 256, 3, 8), False, True)
 @pytest.fixture(scope="module")
 def spills() -> dict:
     variants = [[*dataclasses.astuple(config), a_cm, b_cm] for config, a_cm, b_cm in VARIANTS + [SPILLING]]
-    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-m", "tests.sm90_spills", json.dumps(variants)], cwd=REPO,
-                            env=environment, capture_output=True, text=True)
+                            env=compiling_environment(), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.splitlines()[-1])
 

@@ -14,7 +14,7 @@ from triton import knobs
 
 from megatron_rl_bi.reporting.compiles import TritonCompiles, count_triton_compiles
 
-from ..sm90_spills import PTXAS
+from ..sm90_spills import PTXAS, compiling_environment
 from .example_scripts import REPO
 
 
@@ -76,8 +76,7 @@ print(json.dumps({"first": first, "second": tally.take(), "microseconds": micros
 @pytest.mark.skipif(not os.path.exists(PTXAS), reason=f"no ptxas at {PTXAS}")
 def test_the_installed_triton_reports_its_compilations_and_cache_loads(tmp_path):
     """Two variants compiled into an empty cache, then one of them loaded from it."""
-    environment = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
-                   "TRITON_CACHE_DIR": str(tmp_path)}
+    environment = compiling_environment(TRITON_CACHE_DIR=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", COMPILING], cwd=REPO, env=environment, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
