@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from megatron_rl_bi import bi
@@ -258,10 +259,18 @@ def generate_apart(inputs: RunInputs, bridge: Bridge) -> None:
                          rank_batches(engine, tokenizer, sampling, inputs.rollout_config), validate or None)
 
 
+def seconds_before_main(started: float) -> float:
+    """Seconds from this process's start until main read `started` (its perf_counter): the
+    interpreter's start-up and every import before main. The warm tiny hybrid run reached main
+    about 21 s after torchrun was started (H100, bench/first_step.py at 279dfc6)."""
+    main_started = time.time() - (time.perf_counter() - started)
+    return main_started - psutil.Process().create_time()
+
+
 def train(inputs: RunInputs, bridge: Bridge | None, started: float) -> None:
     """A trainer rank's run: the policy, its optimizer and, unless generators are apart, the
     engine on the same module; then the RL loop. The first step's record carries the start-up's
-    phases, from `started` (main's perf_counter) on."""
+    phases: the imports before `started` (main's perf_counter), and each phase after it."""
     args, tokenizer, task, hf_model = inputs.args, inputs.tokenizer, inputs.task, inputs.hf_model
     with bi.batch_invariant(args.batch_invariant_mode):
         model = build_policy(args, inputs.vocab_size, hf_model)
@@ -279,7 +288,8 @@ def train(inputs: RunInputs, bridge: Bridge | None, started: float) -> None:
         engine_built = time.perf_counter()
         logger = build_logger(args, memory_plan(args, inputs.vocab_size), tokenizer, inputs.argv)
         if logger:
-            logger.add_to_next_record({"time/startup_model_s": model_built - started,
+            logger.add_to_next_record({"time/startup_imports_s": seconds_before_main(started),
+                                       "time/startup_model_s": model_built - started,
                                        "time/startup_engine_s": engine_built - model_built})
         run_rl(ddp=ddp, optimizer=optimizer, generator=generator, task=task, tokenizer=tokenizer,
                rollout_config=inputs.rollout_config,

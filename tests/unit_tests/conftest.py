@@ -2,6 +2,8 @@ import contextlib
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -9,6 +11,23 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl_bi.envs import sandbox
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LOAD_PRETRAIN_RL = ("import importlib.util as _util\n"
+                    "_spec = _util.spec_from_file_location('pretrain_rl', {path!r})\n"
+                    "pretrain_rl = _util.module_from_spec(_spec)\n"
+                    "_spec.loader.exec_module(pretrain_rl)  # every import of a run, before its main\n")
+
+
+def run_after_loading_pretrain_rl(program: str, before: str = "", args: tuple[str, ...] = ()) -> str:
+    """`program` in a Python process of its own once it has loaded pretrain_rl.py as `pretrain_rl`
+    (`before` ahead of the load; `args` its sys.argv[1:]): its output's last line. Fails the test
+    with the process's error output if it exits with an error."""
+    source = before + "\n" + LOAD_PRETRAIN_RL.format(path=os.path.join(REPO, "pretrain_rl.py")) + program
+    done = subprocess.run([sys.executable, "-c", source, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
 
 
 def free_port() -> int:

@@ -3,21 +3,14 @@ not a dependency): with that package installed, the first import of anything in 
 its models, 13 s of a process's start on an H100 (cProfile at 279dfc6)."""
 
 import json
-import os
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .conftest import run_after_loading_pretrain_rl
 
 
 def test_a_runs_imports_leave_fla_s_models_out():
-    program = ("import importlib.util, json, sys; spec = importlib.util.spec_from_file_location('pretrain_rl', sys.argv[1]); "
-               "spec.loader.exec_module(importlib.util.module_from_spec(spec)); "
-               "import megatron.core.models.hybrid.hybrid_layer_specs; "
-               "print(json.dumps([sorted(m for m in sys.modules if m.startswith('fla.ops')),"
-               " [m for m in ('fla.layers', 'fla.models') if m in sys.modules]]))")
-    done = subprocess.run([sys.executable, "-c", program, os.path.join(REPO, "pretrain_rl.py")],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    loaded, models = json.loads(done.stdout.strip().splitlines()[-1])
+    shown = run_after_loading_pretrain_rl(
+        "import json, sys\nimport megatron.core.models.hybrid.hybrid_layer_specs\n"
+        "print(json.dumps([sorted(m for m in sys.modules if m.startswith('fla.ops')),"
+        " [m for m in ('fla.layers', 'fla.models') if m in sys.modules]]))")
+    loaded, models = json.loads(shown)
     assert loaded and models == []  # fla's kernels imported, its models not

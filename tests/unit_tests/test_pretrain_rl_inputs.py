@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from .conftest import free_port
+from .conftest import free_port, run_after_loading_pretrain_rl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--recipe", os.path.join(REPO, "examples", "recipes", "tiny_sort.yaml"), "--flash-attention-version", "4"]
@@ -279,3 +279,12 @@ def test_the_host_memory_check_counts_this_node_s_trainers_and_rank_0_warns(pret
     with pytest.raises(ReachedTheGPU):
         pretrain_rl.main(OFFLOADED)
     assert "warning: the optimizers of this node's 1 training process(es)" in capsys.readouterr().out
+
+
+def test_the_seconds_before_main_count_from_the_process_start():
+    """A process that spends 1 s before its main (as imports do), then 3 s in it, reports the
+    first second and its interpreter's start, not the 3 s after."""
+    shown = run_after_loading_pretrain_rl("print(pretrain_rl.seconds_before_main(started))",
+                                          before="import time; time.sleep(1.0); started = time.perf_counter(); "
+                                                 "time.sleep(3.0)")
+    assert 1.0 <= float(shown) < 3.0
