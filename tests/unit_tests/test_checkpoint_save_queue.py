@@ -8,7 +8,7 @@ import os
 import sys
 import textwrap
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .conftest import REPO, run_after_loading_pretrain_rl
 
 PROGRAM = textwrap.dedent("""
     import sys, warnings
@@ -23,7 +23,7 @@ PROGRAM = textwrap.dedent("""
     assert type(queue._manager._process).__name__ == "ForkProcess", type(queue._manager._process)
     torch.cuda.synchronize = lambda *a: None  # megatron-core's writer syncs the GPU; the CPU has none
     torch.cuda.current_device = lambda: "cpu"
-    torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     weights = torch.arange(12.0).reshape(3, 4)
     dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", weights)}, sys.argv[1])
     assert filesystem_async._results_queue is queue  # the save used the forked Manager's queue
@@ -35,10 +35,8 @@ PROGRAM = textwrap.dedent("""
 
 
 def test_the_save_results_queue_is_forked_at_the_start_and_used_by_the_save(tmp_path):
-    from .conftest import free_port, run_after_loading_pretrain_rl
-
     (tmp_path / "checkpoint").mkdir()
-    shown = run_after_loading_pretrain_rl(PROGRAM, args=(str(tmp_path / "checkpoint"), str(free_port())))
+    shown = run_after_loading_pretrain_rl(PROGRAM, args=(str(tmp_path / "checkpoint"),))
     assert shown == "saved through the forked queue"
 
 

@@ -61,6 +61,17 @@ def test_with_generator_ranks_the_check_matches_a_checkpoint_to_the_trainers(tmp
     assert f"launch check passed: 3 processes on 2 nodes (node0, node1); --load {tmp_path}: would resume" in out
 
 
+def _plain_process(statements: str) -> subprocess.CompletedProcess:
+    """`statements` in a plain process (no launcher's variables) after its launch check's process
+    group is up (`launch_processes()`'s result in `processes`). It ends as every tool does: a
+    process that leaves gloo's group standing may abort at exit ("terminate called without an
+    active exception", seen once in CI)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
+    program = ("import os, torch; from megatron_rl_bi.distributed import launch_processes; "
+               f"processes = launch_processes(); {statements}; torch.distributed.destroy_process_group()")
+    return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, env=env)
+
+
 def test_a_plain_process_meets_beside_a_job_on_the_default_port():
     """A tool or GPU test run as one plain process must not need port 29500, which a torchrun job
     beside it holds (two GPU lanes on one machine failed with EADDRINUSE)."""
@@ -71,22 +82,14 @@ def test_a_plain_process_meets_beside_a_job_on_the_default_port():
             job.listen()
         except OSError:
             pass  # held by something else already: as busy as the test wants it
-        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
-        # Ends as every tool does: a process that leaves gloo's group standing may abort at exit
-        # ("terminate called without an active exception", seen once in CI).
-        result = subprocess.run([sys.executable, "-c", "import torch; from megatron_rl_bi.distributed import launch_processes; "
-                                 "print(launch_processes()[0]['world_size']); torch.distributed.destroy_process_group()"],
-                                capture_output=True, text=True, timeout=300, env=env)
+        result = _plain_process("print(processes[0]['world_size'])")
     assert result.returncode == 0 and result.stdout.strip().endswith("1"), result.stderr[-2000:]
 
 
 def test_a_plain_process_meets_itself_in_memory():
     """No port to race for: two plain processes started together took the same free port and
     one failed with EADDRINUSE (GPU tests side by side on an H100)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
-    result = subprocess.run([sys.executable, "-c", "import os, torch; from megatron_rl_bi.distributed import launch_processes; "
-                             "launch_processes(); from torch.distributed import distributed_c10d as c10d; "
-                             "print(type(c10d._get_default_store().underlying_store).__name__, 'MASTER_PORT' in os.environ); "
-                             "torch.distributed.destroy_process_group()"],
-                            capture_output=True, text=True, timeout=300, env=env)
+    result = _plain_process("from torch.distributed import distributed_c10d as c10d; "
+                            "print(type(c10d._get_default_store().underlying_store).__name__, "
+                            "'MASTER_PORT' in os.environ)")
     assert result.returncode == 0 and result.stdout.strip().endswith("HashStore False"), result.stderr[-2000:]
