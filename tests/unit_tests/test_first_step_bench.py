@@ -24,6 +24,7 @@ def test_ratios_by_hand():
     warm = _run(100.0, 40.0, 20.0, 8.0, 10.0, 0.5, {**later, "time/optimizer_s": 0.0})
     assert first_step.ratios(fresh, warm) == {
         "wall_fresh_over_warm": 3.0, "first_record_fresh_over_warm": 5.0,
+        "wall_fresh_minus_warm_s": 200.0, "first_record_fresh_minus_warm_s": 160.0,
         "fresh_first_over_later_step_s": 17.0, "fresh_first_over_later_generation_s": 9.75,
         "fresh_first_over_later_training_s": 26.2, "fresh_first_over_later_optimizer_s": 4.0,
         "warm_first_over_later_step_s": 2.0, "warm_first_over_later_generation_s": 2.0,
