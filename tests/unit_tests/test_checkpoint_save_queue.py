@@ -8,7 +8,8 @@ import os
 import sys
 import textwrap
 
-from .conftest import REPO, run_after_loading_pretrain_rl
+from .conftest import run_after_loading_pretrain_rl
+from .example_scripts import REPO
 
 PROGRAM = textwrap.dedent("""
     import sys, warnings
