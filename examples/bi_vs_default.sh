@@ -11,9 +11,9 @@ wide=(--recipe examples/recipes/tiny_sort.yaml --hidden-size 2048 --ffn-hidden-s
       --num-attention-heads 16 --num-query-groups 4 --rl-sft-warmup-steps 60 --rl-sft-lr 3e-4
       --lr 1e-4 --flash-attention-version 4 --train-iters "$steps"
       --save "$out/checkpoints" --save-interval 100000)
-torchrun --nproc-per-node 1 pretrain_rl.py "${wide[@]}" --rl-metrics-jsonl "$out/default.jsonl" \
+torchrun --standalone --nproc-per-node 1 pretrain_rl.py "${wide[@]}" --rl-metrics-jsonl "$out/default.jsonl" \
   --rl-inference-logprobs-is-correction --rl-importance-sampling-truncation-coef 2.0
-torchrun --nproc-per-node 1 pretrain_rl.py "${wide[@]}" --rl-metrics-jsonl "$out/bi.jsonl" \
+torchrun --standalone --nproc-per-node 1 pretrain_rl.py "${wide[@]}" --rl-metrics-jsonl "$out/bi.jsonl" \
   --batch-invariant-mode
 python tools/plot_metrics.py "$out/default.jsonl" "$out/bi_vs_default.png" --label default \
   --also "$out/bi.jsonl:BI" --title "trainer vs engine logprobs: default kernels vs batch-invariant"

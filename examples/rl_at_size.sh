@@ -37,5 +37,5 @@ for arg in "$@"; do [ "$previous" = --rl-generator-ranks ] && generators=$arg; p
 python tools/memory_plan.py --plan-gpus $(( ${NPROC:-1} - generators )) --plan-output "$run/memory_plan.json" \
   "${flags[@]}"
 rm -f "$run/metrics.jsonl"
-torchrun --nproc-per-node "${NPROC:-1}" pretrain_rl.py "${flags[@]}" --rl-metrics-jsonl "$run/metrics.jsonl" 2>&1 \
+torchrun --standalone --nproc-per-node "${NPROC:-1}" pretrain_rl.py "${flags[@]}" --rl-metrics-jsonl "$run/metrics.jsonl" 2>&1 \
   | tee "$run/run.log"

@@ -11,7 +11,7 @@ run=runs/${preset}_config
 python tools/random_hf_checkpoint.py "$preset" "$run"
 common=(--bf16 --flash-attention-version 4 --transformer-impl local)
 rm -f "$run/metrics.jsonl"
-torchrun --nproc-per-node 1 pretrain_rl.py --hf-checkpoint "$run/hf" "${common[@]}" --batch-invariant-mode \
+torchrun --standalone --nproc-per-node 1 pretrain_rl.py --hf-checkpoint "$run/hf" "${common[@]}" --batch-invariant-mode \
   --rl-task jsonl --rl-dataset "$run/math.jsonl" --rl-max-new-tokens "$new_tokens" \
   --grpo-prompts-per-step 2 --grpo-group-size 4 --grpo-entropy-term-weight 0.001 \
   --lr 1e-6 --train-iters "$steps" --inference-max-seq-length 2048 \

@@ -5,6 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -f runs/tiny_sort/metrics.jsonl
-torchrun --nproc-per-node "${NPROC:-1}" pretrain_rl.py --recipe examples/recipes/tiny_sort.yaml \
+torchrun --standalone --nproc-per-node "${NPROC:-1}" pretrain_rl.py --recipe examples/recipes/tiny_sort.yaml \
   --batch-invariant-mode --flash-attention-version 4 "$@"
 python tools/plot_metrics.py runs/tiny_sort/metrics.jsonl runs/tiny_sort/curves.png

@@ -14,7 +14,7 @@ def test_flags_right_after_steps_reach_the_run_not_the_checkpoint(tmp_path):
     done, calls = _run(tmp_path, "qwen3-4b", "3", "--rl-generator-ranks", "1")
     assert done.returncode == 0, done.stderr
     assert calls[0] == "python tools/random_hf_checkpoint.py qwen3-4b runs/qwen3-4b_8k"
-    assert calls[-1].startswith("torchrun --nproc-per-node 1 pretrain_rl.py")
+    assert calls[-1].startswith("torchrun --standalone --nproc-per-node 1 pretrain_rl.py")  # a free port: jobs side by side
     assert calls[-1].split()[-4:-2] == ["--rl-generator-ranks", "1"]
     assert "--train-iters 3" in calls[-1]
 
