@@ -1,5 +1,6 @@
 """Compiles the BI GEMMs' kernels for an H100/H200 (sm_90a) with the installed Triton and ptxas, no
-GPU needed, and prints each kernel variant's ptxas spill bytes as JSON. Run as a process of its own
+GPU needed, and prints as JSON each kernel variant's ptxas spill bytes, whether its machine code is its
+fully specialized compile's, and the BI GEMM's launch keys. Run as a process of its own
 (`python -m tests.sm90_spills`): the CPU tests run Triton's interpreter, whose kernels do not compile.
 Used by tests/unit_tests/test_bi_gemm_compiles.py."""
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -17,6 +19,7 @@ from triton.compiler import ASTSource
 from megatron_rl_bi.bi import gemm, grouped_gemm
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
 
 
 def compiling_environment(**more: str) -> dict[str, str]:
@@ -25,32 +28,92 @@ def compiling_environment(**more: str) -> dict[str, str]:
     return {**{key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}, **more}
 
 
-def spill_bytes(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> int:
-    """ptxas's spill stores and loads, in bytes, of `fn` compiled for sm_90a, specialized as a launch
-    on real widths is: every pointer and integer argument a multiple of 16."""
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
+                 divisible: tuple[str, ...] | None = None) -> str:
+    """`fn` compiled for sm_90a, its PTX. Every pointer is a multiple of 16, and the integer
+    arguments named in `divisible`; by default those `fn` specializes, as a launch on real widths."""
+    if divisible is None:
+        divisible = tuple(param.name for param in fn.params if not param.do_not_specialize)
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
     names = list(signature)
-    divisible = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind != "constexpr"}
-    source = ASTSource(fn=fn, signature=signature, attrs=divisible,
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
+             if kind.startswith("*") or (kind != "constexpr" and name in divisible)}
+    source = ASTSource(fn=fn, signature=signature, attrs=attrs,
                        constexprs={(names.index(name),): value for name, value in constexprs.items()})
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages})
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
-        ptx.write(kernel.asm["ptx"])
-        ptx.flush()
-        report = subprocess.run([PTXAS, "--gpu-name", "sm_90a", "-v", ptx.name, "-o", os.devnull],
+    return kernel.asm["ptx"]
+
+
+def ptxas(ptx: str, *flags: str) -> tuple[str, bytes]:
+    """ptxas's report and the cubin of `ptx` for sm_90a."""
+    with tempfile.TemporaryDirectory() as scratch:
+        source, cubin = os.path.join(scratch, "k.ptx"), os.path.join(scratch, "k.cubin")
+        with open(source, "w") as f:
+            f.write(ptx)
+        report = subprocess.run([PTXAS, "--gpu-name", "sm_90a", *flags, source, "-o", cubin],
                                 capture_output=True, text=True, check=True).stderr
+        with open(cubin, "rb") as f:
+            return report, f.read()
+
+
+def spill_bytes(ptx: str) -> int:
+    """ptxas's spill stores and loads, in bytes."""
+    report, _ = ptxas(ptx, "-v")
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
 
 
-def matmul_spills(config: gemm.TileConfig, a_column_major: bool, b_column_major: bool) -> int:
+def machine_code(ptx: str) -> list[str]:
+    """The SASS instructions of `ptx`, without their addresses."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(ptxas(ptx)[1])
+        cubin.flush()
+        listing = subprocess.run([NVDISASM, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+    return [re.sub(r"/\*[0-9a-f]+\*/", "", line).strip() for line in listing.splitlines()
+            if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
+
+
+MATMUL_INTEGERS = ("M", "N", "K", "a_row_stride", "b_row_stride", "num_programs")
+
+
+def matmul_ptx(config: gemm.TileConfig, a_column_major: bool, b_column_major: bool,
+               divisible: tuple[str, ...] | None = None) -> str:
     pointers = {name: "*bf16" for name in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr")}
-    scalars = {name: "i32" for name in ("M", "N", "K", "a_row_stride", "b_row_stride", "num_programs")}
     constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                       GROUP_M=gemm.GROUP_M, A_COLUMN_MAJOR=a_column_major, B_COLUMN_MAJOR=b_column_major,
                       HAS_BIAS=True)
-    return spill_bytes(gemm._persistent_matmul, {**pointers, **scalars}, constexprs, config.num_warps,
-                       config.num_stages)
+    return compile_sm90(gemm._persistent_matmul, {**pointers, **{name: "i32" for name in MATMUL_INTEGERS}},
+                        constexprs, config.num_warps, config.num_stages, divisible)
+
+
+def matmul_report(config: gemm.TileConfig, a_column_major: bool, b_column_major: bool) -> dict:
+    """The variant as launched: its spill bytes, and whether its machine code is that of the same
+    variant compiled with every integer argument a multiple of 16."""
+    launched = matmul_ptx(config, a_column_major, b_column_major)
+    specialized = matmul_ptx(config, a_column_major, b_column_major, divisible=MATMUL_INTEGERS)
+    return {"spills": spill_bytes(launched), "as_specialized": machine_code(launched) == machine_code(specialized)}
+
+
+def matmul_launch_keys(config: gemm.TileConfig, a_column_major: bool, b_column_major: bool) -> int:
+    """How many compiled variants of the matmul kernel Triton's launcher asks for over products
+    of one tile and layout whose M and K range from 1 to 1,000 (as packed batches and decode steps
+    give it; N, a layer's width, a multiple of 16): the specialization keys of their launches."""
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = gemm._persistent_matmul
+    bind = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
+    keys = set()
+    for m, k, n in [(1, 256, 512), (16, 256, 512), (17, 704, 512), (64, 64, 1024), (100, 1000, 256), (1000, 48, 4096)]:
+        a = torch.empty((k, m) if a_column_major else (m, k), dtype=torch.bfloat16)
+        b = torch.empty((n, k) if b_column_major else (k, n), dtype=torch.bfloat16)
+        tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+        _, key, _ = bind(a, b, torch.empty(m, n, dtype=torch.bfloat16), None, m, n, k, a.stride(0), b.stride(0),
+                         min(132, tiles), BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                         GROUP_M=gemm.GROUP_M, A_COLUMN_MAJOR=a_column_major, B_COLUMN_MAJOR=b_column_major,
+                         HAS_BIAS=False, num_stages=config.num_stages, num_warps=config.num_warps)
+        keys.add(tuple(key))
+    return len(keys)
 
 
 def grouped_spills() -> int:
@@ -58,13 +121,16 @@ def grouped_spills() -> int:
                  "tile_offsets_ptr": "*i64", "tile_experts_ptr": "*i64", "num_experts": "i32", "N": "i32",
                  "K": "i32"}
     constexprs = dict(BLOCK_M=grouped_gemm.BLOCK_M, BLOCK_N=grouped_gemm.BLOCK_N, BLOCK_K=grouped_gemm.BLOCK_K)
-    return spill_bytes(grouped_gemm._grouped_matmul, signature, constexprs, 4, 3)
+    return spill_bytes(compile_sm90(grouped_gemm._grouped_matmul, signature, constexprs, 4, 3))
 
 
 def main() -> None:
     """argv: JSON list of [block_m, block_n, num_stages, num_warps, block_k, a_column_major, b_column_major]."""
     variants = json.loads(sys.argv[1])
-    spills = {"matmul": [matmul_spills(gemm.TileConfig(*v[:5]), v[5], v[6]) for v in variants],
+    reports = [matmul_report(gemm.TileConfig(*v[:5]), v[5], v[6]) for v in variants]
+    spills = {"matmul": [report["spills"] for report in reports],
+              "matmul_as_specialized": [report["as_specialized"] for report in reports],
+              "matmul_launch_keys": [matmul_launch_keys(gemm.TileConfig(*v[:5]), v[5], v[6]) for v in variants],
               "grouped": grouped_spills()}
     print(json.dumps(spills))
 

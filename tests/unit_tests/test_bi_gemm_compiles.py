@@ -40,6 +40,19 @@ def test_every_picked_tile_compiles_without_spilling(spills):
     assert not spilled and len(VARIANTS) == 15
 
 
+def test_a_tile_and_layout_compile_once_whatever_the_products_sizes(spills):
+    """Triton compiles a variant for each specialization of a launch's arguments: the integers
+    that vary between calls of one layer (rows, K, strides, programs) are not specialized, so
+    each tile and layout is one kernel (the tiny hybrid recipe's fresh run had compiled 25)."""
+    assert spills["matmul_launch_keys"][:len(VARIANTS)] == [1] * len(VARIANTS)
+
+
+def test_unspecialized_integers_cost_no_instruction(spills):
+    """Each variant as launched compiles to the machine code it has with every integer argument a
+    multiple of 16 (bias epilogue included): the fewer compiles cost no GPU time."""
+    assert spills["matmul_as_specialized"][:len(VARIANTS)] == [True] * len(VARIANTS)
+
+
 def test_a_tile_too_large_for_the_registers_is_seen_to_spill(spills):
     """A check that the spill count is read at all."""
     assert spills["matmul"][-1] > 0
