@@ -1,6 +1,6 @@
 """Compiles the BI GEMMs' kernels for an H100/H200 (sm_90a) with the installed Triton and ptxas, no
 GPU needed, and prints as JSON each kernel variant's ptxas spill bytes, whether its machine code is its
-fully specialized compile's, and the BI GEMM's launch keys. Run as a process of its own
+fully specialized compile's, and the launch keys of the BI GEMM and RMSNorm backward. Run as a process of its own
 (`python -m tests.sm90_spills`): the CPU tests run Triton's interpreter, whose kernels do not compile.
 Used by tests/unit_tests/test_bi_gemm_compiles.py."""
 
@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from megatron_rl_bi.bi import gemm, grouped_gemm
+from megatron_rl_bi.bi import gemm, grouped_gemm, rmsnorm
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
@@ -94,26 +94,51 @@ def matmul_report(config: gemm.TileConfig, a_column_major: bool, b_column_major:
     return {"spills": spill_bytes(launched), "as_specialized": machine_code(launched) == machine_code(specialized)}
 
 
-def matmul_launch_keys(config: gemm.TileConfig, a_column_major: bool, b_column_major: bool) -> int:
-    """How many compiled variants of the matmul kernel Triton's launcher asks for over products
-    of one tile and layout whose M and K range from 1 to 1,000 (as packed batches and decode steps
-    give it; N, a layer's width, a multiple of 16): the specialization keys of their launches."""
+def launch_keys(fn, launches: list[tuple[tuple, dict]]) -> int:
+    """How many compiled variants of `fn` Triton's launcher asks for over `launches` (the
+    arguments of each): the specialization keys of their launches."""
     from triton.compiler.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    fn = gemm._persistent_matmul
     bind = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
-    keys = set()
+    return len({tuple(bind(*args, **kwargs)[1]) for args, kwargs in launches})
+
+
+def matmul_launch_keys(config: gemm.TileConfig, a_column_major: bool, b_column_major: bool) -> int:
+    """Over products of one tile and layout whose M and K range from 1 to 1,000 (as packed batches
+    and decode steps give it; N, a layer's width, a multiple of 16)."""
+    launches = []
     for m, k, n in [(1, 256, 512), (16, 256, 512), (17, 704, 512), (64, 64, 1024), (100, 1000, 256), (1000, 48, 4096)]:
         a = torch.empty((k, m) if a_column_major else (m, k), dtype=torch.bfloat16)
         b = torch.empty((n, k) if b_column_major else (k, n), dtype=torch.bfloat16)
         tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-        _, key, _ = bind(a, b, torch.empty(m, n, dtype=torch.bfloat16), None, m, n, k, a.stride(0), b.stride(0),
-                         min(132, tiles), BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                         GROUP_M=gemm.GROUP_M, A_COLUMN_MAJOR=a_column_major, B_COLUMN_MAJOR=b_column_major,
-                         HAS_BIAS=False, num_stages=config.num_stages, num_warps=config.num_warps)
-        keys.add(tuple(key))
-    return len(keys)
+        launches.append(((a, b, torch.empty(m, n, dtype=torch.bfloat16), None, m, n, k, a.stride(0), b.stride(0),
+                          min(132, tiles)),
+                         dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                              GROUP_M=gemm.GROUP_M, A_COLUMN_MAJOR=a_column_major, B_COLUMN_MAJOR=b_column_major,
+                              HAS_BIAS=False, num_stages=config.num_stages, num_warps=config.num_warps)))
+    return launch_keys(gemm._persistent_matmul, launches)
+
+
+RMSNORM_BACKWARD = {"dy_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "rsigma_ptr": "*fp32", "dx_ptr": "*bf16",
+                    "dw_partial_ptr": "*fp32", "rows": "i32", "D": "i32"}
+
+
+def rmsnorm_backward_report(d: int = 2048) -> dict:
+    """The RMSNorm backward at width `d`: whether as launched it has the machine code of its compile
+    with every integer a multiple of 16, and its launch keys over 1 to 1,000 rows."""
+    options = rmsnorm._launch_options(d)
+    constexprs = dict(ZERO_CENTERED=False, ROWS_PER_PROGRAM=rmsnorm.ROWS_PER_PROGRAM, BLOCK=options["BLOCK"])
+    launched, specialized = (compile_sm90(rmsnorm._backward, RMSNORM_BACKWARD, constexprs, options["num_warps"], 3,
+                                          divisible) for divisible in (None, ("rows", "D")))
+    launches = []
+    for rows in (1, 16, 17, 100, 1000):
+        x = torch.empty(rows, d, dtype=torch.bfloat16)
+        rsigma, partial = torch.empty(rows), torch.empty(triton.cdiv(rows, rmsnorm.ROWS_PER_PROGRAM), d)
+        launches.append(((x, x, torch.empty(d, dtype=torch.bfloat16), rsigma, x, partial, rows, d),
+                         dict(ZERO_CENTERED=False, ROWS_PER_PROGRAM=rmsnorm.ROWS_PER_PROGRAM, **options)))
+    return {"as_specialized": machine_code(launched) == machine_code(specialized),
+            "launch_keys": launch_keys(rmsnorm._backward, launches)}
 
 
 def grouped_spills() -> int:
@@ -131,7 +156,8 @@ def main() -> None:
     spills = {"matmul": [report["spills"] for report in reports],
               "matmul_as_specialized": [report["as_specialized"] for report in reports],
               "matmul_launch_keys": [matmul_launch_keys(gemm.TileConfig(*v[:5]), v[5], v[6]) for v in variants],
-              "grouped": grouped_spills()}
+              "grouped": grouped_spills(),
+              "rmsnorm_backward": rmsnorm_backward_report()}
     print(json.dumps(spills))
 
 

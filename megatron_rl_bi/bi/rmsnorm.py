@@ -34,7 +34,9 @@ def _forward(x_ptr, w_ptr, y_ptr, rsigma_ptr, D, eps,
     tl.store(rsigma_ptr + row, rsigma)
 
 
-@triton.jit
+# `rows` only bounds the loop, and a packed batch's count varies from call to call: unspecialized, one
+# variant per width, with the machine code of its rows-a-multiple-of-16 compile (CPU test).
+@triton.jit(do_not_specialize=["rows"])
 def _backward(dy_ptr, x_ptr, w_ptr, rsigma_ptr, dx_ptr, dw_partial_ptr, rows, D,
               ZERO_CENTERED: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr):
     """dx = rsigma * (w * dy - x * rsigma^2 * mean(w * dy * x)); this program's share of dw."""

@@ -1,8 +1,8 @@
-"""The BI GEMMs' kernels compiled for an H100/H200 (sm_90a) on the CPU with the installed Triton and
-ptxas (tests/sm90_spills.py, in a process of its own): every tile the host code can pick compiles
-in each operand layout the forward and backward give it, and none spills registers to local
-memory (a spilled accumulator turns a product's time over). Whether the kernels give the right
-bits is for the other tests."""
+"""The BI GEMMs' kernels and the RMSNorm backward compiled for an H100/H200 (sm_90a) on the CPU with
+the installed Triton and ptxas (tests/sm90_spills.py, in a process of its own): every tile the host
+code can pick compiles in each operand layout the forward and backward give it, and none spills
+registers to local memory (a spilled accumulator turns a product's time over); integers left
+unspecialized cost no instruction. Whether the kernels give the right bits is for the other tests."""
 
 import dataclasses
 import json
@@ -60,3 +60,10 @@ def test_a_tile_too_large_for_the_registers_is_seen_to_spill(spills):
 
 def test_the_grouped_kernel_compiles_without_spilling(spills):
     assert spills["grouped"] == 0
+
+
+def test_the_rmsnorm_backward_compiles_once_a_width_at_no_cost(spills):
+    """Its row count is not specialized: one variant over 1 to 1,000 rows (the tiny hybrid
+    recipe's fresh run compiled 4 for its 2 widths), with the machine code of its compile with
+    rows a multiple of 16."""
+    assert spills["rmsnorm_backward"] == {"as_specialized": True, "launch_keys": 1}
