@@ -46,6 +46,7 @@ def _on_cpu() -> None:
     torch.cuda.synchronize = lambda: None
     torch.cuda.max_memory_allocated = lambda: 0
     torch.cuda.reset_peak_memory_stats = lambda: None
+    torch.cuda.mem_get_info = lambda: (0, 0)
 
 
 def _held_out(args) -> list | None:

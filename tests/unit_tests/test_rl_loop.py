@@ -57,6 +57,7 @@ def cpu_loop(gloo_group, monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, 0))  # no GPU: nothing beyond torch
 
 
 def _run(tmp_path, flags, eval_examples=None) -> dict[int, dict]:
