@@ -1,0 +1,5 @@
+"""The project's tests. REPO: the repository's root, where the tests find its files."""
+
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -3,7 +3,8 @@ import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .. import REPO
+
 TINY_RECIPE = os.path.join(REPO, "examples", "recipes", "tiny_sort.yaml")
 # Small enough for a functional test; everything else from the README's main-job recipe.
 QUICK = ["--rl-sft-warmup-steps", "20", "--grpo-prompts-per-step", "4", "--save-interval", "1000"]

@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from .conftest import REPO
+from .. import REPO
+
 
 pytestmark = pytest.mark.gpu
 

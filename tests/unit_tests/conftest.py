@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from megatron_rl_bi.envs import sandbox
 
-from .example_scripts import REPO
+from .. import REPO
+
 
 LOAD_PRETRAIN_RL = ("import importlib.util as _util\n"
                     "_spec = _util.spec_from_file_location('pretrain_rl', {path!r})\n"

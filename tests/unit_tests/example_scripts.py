@@ -5,7 +5,8 @@ import os
 import shutil
 import subprocess
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .. import REPO
+
 STUB = """#!/usr/bin/env bash
 echo "$(basename "$0") $*" >> "$STUB_LOG"
 if [ "$1" = tools/random_hf_checkpoint.py ]; then mkdir -p "$3"; fi

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .. import REPO
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "bench", "*.py"))), ids=os.path.basename)

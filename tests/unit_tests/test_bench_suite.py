@@ -11,7 +11,7 @@ import torch
 
 from megatron_rl_bi.config import build_parser
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .. import REPO
 
 
 def _module(relative_path):

@@ -14,9 +14,9 @@ import pytest
 
 from megatron_rl_bi.bi import gemm
 
+from .. import REPO
 from ..sm90_spills import PTXAS, compiling_environment
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.skipif(not os.path.exists(PTXAS), reason=f"no ptxas at {PTXAS}")
 
 # (A column-major, B column-major): forward x @ W.T, input gradient dY @ W, weight gradient dY.T @ X

@@ -8,8 +8,8 @@ import os
 import sys
 import textwrap
 
+from .. import REPO
 from .conftest import run_after_loading_pretrain_rl
-from .example_scripts import REPO
 
 PROGRAM = textwrap.dedent("""
     import sys, warnings

@@ -6,7 +6,6 @@ results/README.md names, for every file, the commit stamped in it."""
 import importlib.util
 import json
 import os
-import pathlib
 import re
 import sys
 
@@ -14,7 +13,8 @@ import pytest
 
 from megatron_rl_bi.reporting.provenance import read_stamps, stamped_commit
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from .. import REPO
+
 _spec = importlib.util.spec_from_file_location("results_docs", REPO / "tools" / "results_docs.py")
 results_docs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(results_docs)

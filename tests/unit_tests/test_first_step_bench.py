@@ -5,7 +5,8 @@ import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .. import REPO
+
 _spec = importlib.util.spec_from_file_location("first_step", os.path.join(REPO, "bench", "first_step.py"))
 first_step = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(first_step)

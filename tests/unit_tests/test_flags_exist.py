@@ -3,12 +3,12 @@ the parser of the program that takes it (a docstring or error message that names
 user cannot pass is a defect)."""
 
 import importlib.util
-import pathlib
 import re
 
 from megatron_rl_bi.config import add_hf_args, add_rl_args, build_parser
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from .. import REPO
+
 SOURCES = [
     *sorted((REPO / "megatron_rl_bi").rglob("*.py")), *sorted((REPO / "tools").glob("*.py")),
     *sorted((REPO / "bench").glob("*.py")), *sorted((REPO / "examples").rglob("*.*")),

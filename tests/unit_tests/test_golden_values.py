@@ -10,7 +10,8 @@ import shutil
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .. import REPO
+
 _spec = importlib.util.spec_from_file_location("golden_values", os.path.join(REPO, "tools", "golden_values.py"))
 golden_values = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(golden_values)

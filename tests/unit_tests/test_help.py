@@ -11,7 +11,7 @@ import pytest
 
 from megatron_rl_bi import compat
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .. import REPO
 
 
 @pytest.mark.parametrize("script", ["pretrain_rl.py", "tools/check_parity.py", "tools/convert_hf.py"])

@@ -8,7 +8,8 @@ import pickle
 
 import pytest
 
-from .example_scripts import REPO
+from .. import REPO
+
 
 _spec = importlib.util.spec_from_file_location("memory_peak", f"{REPO}/tools/memory_peak.py")
 memory_peak = importlib.util.module_from_spec(_spec)

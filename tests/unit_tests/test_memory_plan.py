@@ -5,7 +5,6 @@ and off, the KV cache check, the levers suggested, and the tool end to end."""
 import dataclasses
 import importlib.util
 import json
-import pathlib
 import types
 
 import pytest
@@ -32,7 +31,8 @@ from megatron_rl_bi.memory import (
     plan_memory,
 )
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from .. import REPO
+
 COMMON = ["--seq-length", "64", "--max-position-embeddings", "64", "--use-cpu-initialization",
           "--no-initialization", "--transformer-impl", "local", "--flash-attention-version", "4"]
 BUILT = {

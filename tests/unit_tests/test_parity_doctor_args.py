@@ -3,11 +3,11 @@ request lengths fitted to the model), what the doctor cannot diagnose is named b
 engine is made eager, and the ablation runs each piece its model has."""
 
 import importlib.util
-import pathlib
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from .. import REPO
+
 _spec = importlib.util.spec_from_file_location("parity_doctor", REPO / "tools" / "parity_doctor.py")
 doctor = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(doctor)

@@ -19,7 +19,8 @@ from megatron_rl_bi.config.from_args import levers_from_args, memory_run_from_ar
 from megatron_rl_bi.memory import GIB, plan_memory
 from megatron_rl_bi.reporting.metrics import read_step_records
 
-from .example_scripts import REPO, pretrain_rl_flags
+from .. import REPO
+from .example_scripts import pretrain_rl_flags
 
 _spec = importlib.util.spec_from_file_location("memory_plan", f"{REPO}/tools/memory_plan.py")
 memory_plan = importlib.util.module_from_spec(_spec)

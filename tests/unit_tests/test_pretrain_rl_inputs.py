@@ -7,9 +7,9 @@ import os
 
 import pytest
 
+from .. import REPO
 from .conftest import free_port, run_after_loading_pretrain_rl
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--recipe", os.path.join(REPO, "examples", "recipes", "tiny_sort.yaml"), "--flash-attention-version", "4"]
 
 

@@ -7,7 +7,6 @@ import glob
 import importlib.util
 import json
 import os
-import pathlib
 import subprocess
 
 import pytest
@@ -15,7 +14,8 @@ import pytest
 from megatron_rl_bi.reporting import provenance
 from megatron_rl_bi.reporting.provenance import read_stamps, source_hash, stamped_commit
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from .. import REPO
+
 _spec = importlib.util.spec_from_file_location("source_hash_tool", REPO / "tools" / "source_hash.py")
 tool = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tool)

@@ -18,10 +18,12 @@ from megatron_rl_bi.envs.environment import FAILED, call_all
 from megatron_rl_bi.envs.retrieval import RemoteRetriever, RetrievalError, passages_of
 from megatron_rl_bi.envs.search import Retriever, read_corpus
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .. import REPO
+
 sys.path.insert(0, os.path.join(REPO, "tools"))
 
 from retrieval_server import make_server  # noqa: E402
+
 
 CORPUS = ["Paris is the capital of France.", "Berlin is the capital of Germany.",
           "The Nile is a river in Africa.", "Mount Everest is the highest mountain."]

@@ -1,7 +1,6 @@
 """--rl-reward-fn: a user's reward replaces the task's verifier, loads from a module or a file,
 fails before any GPU work with the flag named, and runs under the reward guard."""
 
-import pathlib
 
 import pytest
 
@@ -9,7 +8,7 @@ from megatron_rl_bi.envs import build_task
 from megatron_rl_bi.envs.reward_fn import RewardFnTask, load_reward_fn
 from megatron_rl_bi.rl.rewards import safe_reward
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from .. import REPO
 
 
 def test_reward_fn_from_a_file_replaces_the_verifier(tmp_path):

@@ -17,8 +17,8 @@ import pytest
 from megatron_rl_bi.envs import sandbox
 from megatron_rl_bi.envs.code import code_environment, run_python
 
+from .. import REPO
 from ..sandbox_fixtures import run_outside, sandbox_python
-from .example_scripts import REPO
 
 
 @pytest.fixture(scope="module")
@@ -436,7 +436,7 @@ def _killed_host_leaves(python: str, how: str, scratch: str) -> list[int]:
     tag = uuid.uuid4().hex
     program = f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(30)', {tag!r}])"
     host = subprocess.Popen([sys.executable, "-c", HOST, program, python, how], cwd=REPO, stdout=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": REPO, "TMPDIR": scratch})
+                            env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": scratch})
     try:
         assert host.stdout.readline() == b"started\n"
         deadline = time.monotonic() + sandbox.KEEPER_START_SECONDS  # the sandbox's own bound on its start

@@ -21,9 +21,9 @@ from megatron_rl_bi.envs.tokenizer import CharTokenizer
 from megatron_rl_bi.inference import Generation, Sampling
 from megatron_rl_bi.rl.conversations import TurnConfig, run_conversations
 
+from .. import REPO
 from .conftest import ScriptedGenerator
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = ["The Eiffel Tower is in Paris.", "Mount Fuji is the highest mountain in Japan.",
           "Paris is the capital of France.", "The Nile flows through Egypt."]
 
@@ -160,7 +160,7 @@ def test_bm25s_is_imported_without_jax(tmp_path):
     code = ("import sys; from megatron_rl_bi import compat; bm25s = compat.bm25s_without_jax(); "
             "from bm25s import selection; assert not selection.JAX_IS_AVAILABLE; "
             "assert 'jax' not in sys.modules; print('ok')")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), REPO, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     assert done.stdout.strip() == "ok", done.stderr[-2000:]
     assert not op_ran.exists()

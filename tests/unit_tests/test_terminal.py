@@ -7,7 +7,6 @@ shipped task's solution passes its test where doing nothing fails."""
 import dataclasses
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import time
@@ -22,9 +21,9 @@ from megatron_rl_bi.envs.tasks import TerminalTasks, build_task
 from megatron_rl_bi.envs.terminal import read_tasks, terminal_environment
 from megatron_rl_bi.rl import conversations
 
+from .. import REPO
 from ..sandbox_fixtures import sandbox_python
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "examples" / "tasks" / "terminal_tiny.jsonl"
 SORT_TASK = {"instruction": "sort ab into cd\n", "files": {"ab": "b\nc\na\n"},
              "tests": {"check.sh": "printf 'a\\nb\\nc\\n' | cmp -s - cd\n"}, "test": "sh .tests/check.sh",
@@ -343,7 +342,6 @@ def test_a_terminal_reaches_no_host_file(environment, tmp_path):
     output, _, _ = bash(env, f"cat {secret}; ls /root /home /etc 2>&1 | head -3; touch /usr/bin/x")
     assert "host" not in output and "No such file" in output and "Read-only file system" in output
     assert not os.path.exists("/usr/bin/x")
-
 
 
 def test_a_command_runs_under_the_sandboxs_limits(environment, tmp_path):

@@ -14,8 +14,8 @@ from triton import knobs
 
 from megatron_rl_bi.reporting.compiles import TritonCompiles, count_triton_compiles
 
+from .. import REPO
 from ..sm90_spills import PTXAS, compiling_environment
-from .example_scripts import REPO
 
 
 @triton.jit

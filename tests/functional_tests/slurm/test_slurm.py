@@ -16,9 +16,10 @@ import time
 import pytest
 import torch
 
+from ... import REPO
+
 pytestmark = pytest.mark.slurm
 
-REPO = pathlib.Path(__file__).resolve().parents[3]
 CLUSTER = pathlib.Path(__file__).with_name("cluster.sh")
 TINY = ["--recipe", "examples/recipes/tiny_sort.yaml", "--batch-invariant-mode", "--flash-attention-version", "4"]
 # The scripts' documented environment; no GPU here: the jobs ask for none, as on CPU nodes.
