@@ -57,41 +57,37 @@ def ptxas(ptx: str, *flags: str) -> tuple[str, bytes]:
             return report, f.read()
 
 
-def spill_bytes(ptx: str) -> int:
-    """ptxas's spill stores and loads, in bytes."""
-    report, _ = ptxas(ptx, "-v")
+def spill_bytes(report: str) -> int:
+    """The spill stores and loads, in bytes, of ptxas's verbose report."""
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
 
 
-def machine_code(ptx: str) -> list[str]:
-    """The SASS instructions of `ptx`, without their addresses."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(ptxas(ptx)[1])
-        cubin.flush()
-        listing = subprocess.run([NVDISASM, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+def machine_code(cubin: bytes) -> list[str]:
+    """The SASS instructions of `cubin`, without their addresses."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        listing = subprocess.run([NVDISASM, "-c", f.name], capture_output=True, text=True, check=True).stdout
     return [re.sub(r"/\*[0-9a-f]+\*/", "", line).strip() for line in listing.splitlines()
             if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
 
 
-MATMUL_INTEGERS = ("M", "N", "K", "a_row_stride", "b_row_stride", "num_programs")
-
-
-def matmul_ptx(config: gemm.TileConfig, a_column_major: bool, b_column_major: bool,
-               divisible: tuple[str, ...] | None = None) -> str:
-    pointers = {name: "*bf16" for name in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr")}
-    constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                      GROUP_M=gemm.GROUP_M, A_COLUMN_MAJOR=a_column_major, B_COLUMN_MAJOR=b_column_major,
-                      HAS_BIAS=True)
-    return compile_sm90(gemm._persistent_matmul, {**pointers, **{name: "i32" for name in MATMUL_INTEGERS}},
-                        constexprs, config.num_warps, config.num_stages, divisible)
+def specialization_report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    """`fn` compiled as launched: its spill bytes, and whether its machine code is that of its
+    compile with every integer argument a multiple of 16."""
+    integers = tuple(name for name, kind in signature.items() if kind.startswith("i"))
+    report, launched = ptxas(compile_sm90(fn, signature, constexprs, num_warps, num_stages), "-v")
+    _, specialized = ptxas(compile_sm90(fn, signature, constexprs, num_warps, num_stages, integers))
+    return {"spills": spill_bytes(report), "as_specialized": machine_code(launched) == machine_code(specialized)}
 
 
 def matmul_report(config: gemm.TileConfig, a_column_major: bool, b_column_major: bool) -> dict:
-    """The variant as launched: its spill bytes, and whether its machine code is that of the same
-    variant compiled with every integer argument a multiple of 16."""
-    launched = matmul_ptx(config, a_column_major, b_column_major)
-    specialized = matmul_ptx(config, a_column_major, b_column_major, divisible=MATMUL_INTEGERS)
-    return {"spills": spill_bytes(launched), "as_specialized": machine_code(launched) == machine_code(specialized)}
+    signature = {**{name: "*bf16" for name in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr")},
+                 **{name: "i32" for name in ("M", "N", "K", "a_row_stride", "b_row_stride", "num_programs")}}
+    constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                      GROUP_M=gemm.GROUP_M, A_COLUMN_MAJOR=a_column_major, B_COLUMN_MAJOR=b_column_major,
+                      HAS_BIAS=True)
+    return specialization_report(gemm._persistent_matmul, signature, constexprs, config.num_warps, config.num_stages)
 
 
 def launch_keys(fn, launches: list[tuple[tuple, dict]]) -> int:
@@ -129,16 +125,14 @@ def rmsnorm_backward_report(d: int = 2048) -> dict:
     with every integer a multiple of 16, and its launch keys over 1 to 1,000 rows."""
     options = rmsnorm._launch_options(d)
     constexprs = dict(ZERO_CENTERED=False, ROWS_PER_PROGRAM=rmsnorm.ROWS_PER_PROGRAM, BLOCK=options["BLOCK"])
-    launched, specialized = (compile_sm90(rmsnorm._backward, RMSNORM_BACKWARD, constexprs, options["num_warps"], 3,
-                                          divisible) for divisible in (None, ("rows", "D")))
+    report = specialization_report(rmsnorm._backward, RMSNORM_BACKWARD, constexprs, options["num_warps"], 3)
     launches = []
     for rows in (1, 16, 17, 100, 1000):
         x = torch.empty(rows, d, dtype=torch.bfloat16)
         rsigma, partial = torch.empty(rows), torch.empty(triton.cdiv(rows, rmsnorm.ROWS_PER_PROGRAM), d)
         launches.append(((x, x, torch.empty(d, dtype=torch.bfloat16), rsigma, x, partial, rows, d),
                          dict(ZERO_CENTERED=False, ROWS_PER_PROGRAM=rmsnorm.ROWS_PER_PROGRAM, **options)))
-    return {"as_specialized": machine_code(launched) == machine_code(specialized),
-            "launch_keys": launch_keys(rmsnorm._backward, launches)}
+    return {"as_specialized": report["as_specialized"], "launch_keys": launch_keys(rmsnorm._backward, launches)}
 
 
 def grouped_spills() -> int:
@@ -146,7 +140,7 @@ def grouped_spills() -> int:
                  "tile_offsets_ptr": "*i64", "tile_experts_ptr": "*i64", "num_experts": "i32", "N": "i32",
                  "K": "i32"}
     constexprs = dict(BLOCK_M=grouped_gemm.BLOCK_M, BLOCK_N=grouped_gemm.BLOCK_N, BLOCK_K=grouped_gemm.BLOCK_K)
-    return spill_bytes(compile_sm90(grouped_gemm._grouped_matmul, signature, constexprs, 4, 3))
+    return spill_bytes(ptxas(compile_sm90(grouped_gemm._grouped_matmul, signature, constexprs, 4, 3), "-v")[0])
 
 
 def main() -> None:
