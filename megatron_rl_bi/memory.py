@@ -23,6 +23,11 @@ GRAD_BYTES = 4  # megatron-core DDP's fp32 main_grad buffer
 HOST_GRAD_BYTES = 4
 # Rows of logits the trainer's LM head computes at once: a [rows, vocab] chunk stays under this
 # many elements (models.logprobs).
+# GPU memory a run's process uses beyond torch's allocator: the CUDA context, NCCL, cuBLAS and the
+# kernels' modules. Measured once (memory/beyond_torch_gib): 1.9 GiB for Qwen3.5-9B's widths at 8
+# layers on an H100, a process alone on its GPU (results/README.md, "Session of 41a9c30"), a run
+# the plan said fitted and that ran out of memory.
+OUTSIDE_TORCH_BYTES = int(1.9 * GIB)
 LOGITS_CHUNK_ELEMENTS = 2**27
 LOGITS_BYTES_PER_ELEMENT = 16  # bf16 logits, fp32 copy, fp32 log-softmax, fp32 + bf16 gradients
 
@@ -328,6 +333,8 @@ class Item:
 class MemoryPlan:
     items: list[Item]
     gpu_bytes: int
+    outside_torch_bytes: int = 0
+    """What the process holds beyond torch's tensors (RunShape.outside_torch_bytes)."""
     suggestions: list[str] = field(default_factory=list)
     requests_at_once: int = 0
     """Requests of the longest length the engine's cache holds together (requests_held)."""
@@ -345,6 +352,11 @@ class MemoryPlan:
     def peak_bytes(self) -> int:
         return max(self.phase_bytes(phase) for phase in BOTH)
 
+    @property
+    def fits(self) -> bool:
+        """The peak and what the process holds beyond torch within the GPU's memory."""
+        return self.peak_bytes + self.outside_torch_bytes <= self.gpu_bytes
+
     def item(self, name: str) -> Item:
         return next(item for item in self.items if item.name == name)
 
@@ -353,6 +365,7 @@ class MemoryPlan:
         return {**{item.name: item.bytes / GIB for item in self.items},
                 **{f"peak_{phase}": self.phase_bytes(phase) / GIB for phase in BOTH},
                 "peak": self.peak_bytes / GIB, "gpu": self.gpu_bytes / GIB,
+                "outside_torch": self.outside_torch_bytes / GIB,
                 "requests_at_once": self.requests_at_once, "generation_waves": self.generation_waves,
                 "host_optimizer": self.host_optimizer_bytes / GIB}
 
@@ -492,6 +505,9 @@ class RunShape:
     the engine only)."""
     fused_adam: bool = False
     """megatron-core's Adam is TE's or APEX's FusedAdam (installed), not torch's AdamW."""
+    outside_torch_bytes: int = 0
+    """GPU memory the process holds beyond torch's allocator (OUTSIDE_TORCH_BYTES for a run): not
+    free for its tensors, nor for a KV cache sized by fraction of the free memory."""
 
     @property
     def trainer_tokens(self) -> int:
@@ -502,9 +518,9 @@ class RunShape:
 
 def plan_memory(run: RunShape, levers: Levers) -> MemoryPlan:
     """Every piece of GPU state by phase, and the levers that would lower the peak."""
-    plan = MemoryPlan(_items(run, levers), run.gpu_bytes)
+    plan = MemoryPlan(_items(run, levers), run.gpu_bytes, run.outside_torch_bytes)
     plan.suggestions = suggestions(run, levers, plan.peak_bytes)
-    if plan.peak_bytes <= plan.gpu_bytes and (fewer := fewer_recomputed_layers(run, levers, plan.peak_bytes)):
+    if plan.fits and (fewer := fewer_recomputed_layers(run, levers, plan.peak_bytes)):
         plan.suggestions.append(fewer)
     if run.role != "generator":
         plan.host_optimizer_bytes = host_optimizer_bytes(parameter_count(run.model), run.model, levers,
@@ -537,7 +553,7 @@ def _engine_items(run: RunShape, levers: Levers, state: list[Item]) -> list[Item
     """`state`, and the engine's cache (sized from what `state` leaves while generating) and buffer."""
     generating = sum(item.bytes for item in state if GENERATION in item.phases)
     extra = engine_buffer_bytes(run.model, run.engine)
-    kv = kv_cache_bytes(run.gpu_bytes - generating - extra, levers, run.engine)
+    kv = kv_cache_bytes(run.gpu_bytes - run.outside_torch_bytes - generating - extra, levers, run.engine)
     kv_phases = BOTH if levers.kv_cache_mode == "persist" and run.role == "colocated" else (GENERATION,)
     return state + [
         Item("KV cache + GDN states", kv, kv_phases, f"--rl-kv-cache-management-mode {levers.kv_cache_mode}"),
@@ -632,10 +648,11 @@ def format_plan(plan: MemoryPlan) -> str:
                     f"a step's requests generate in {plan.generation_waves} wave(s)")
     if plan.host_optimizer_bytes:
         rows.append(f"host: the optimizer takes {plan.host_optimizer_bytes / GIB:.2f} GiB of CPU memory a GPU")
-    fits = plan.peak_bytes <= plan.gpu_bytes
-    rows.append(f"predicted peak {plan.peak_bytes / GIB:.2f} GiB of {plan.gpu_bytes / GIB:.1f} GiB: "
-                + ("fits" if fits else "does NOT fit"))
+    outside = (f" + {plan.outside_torch_bytes / GIB:.2f} GiB beyond torch (CUDA context, NCCL, cuBLAS, kernels)"
+               if plan.outside_torch_bytes else "")
+    rows.append(f"predicted peak {plan.peak_bytes / GIB:.2f} GiB{outside} of {plan.gpu_bytes / GIB:.1f} GiB: "
+                + ("fits" if plan.fits else "does NOT fit"))
     if plan.suggestions:
-        rows.append("levers not in use:" if fits else "to make it fit:")
+        rows.append("levers not in use:" if plan.fits else "to make it fit:")
         rows += [f"  {text}" for text in plan.suggestions]
     return "\n".join(rows)

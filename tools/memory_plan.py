@@ -78,9 +78,10 @@ def main() -> None:
         print(f"--plan-gpus {own.plan_gpus}: the trainers' GPUs; each generator rank (--rl-generator-ranks) "
               "is planned apart, below")
         print(f"a trainer ({own.plan_gpus} data-parallel):\n{format_plan(plan)}\n\na generator:\n{format_plan(generator)}")
-        together = (plan.peak_bytes + generator.peak_bytes) / GIB
-        print(f"\na trainer and a generator on one GPU: {together:.2f} GiB of {own.plan_gpu_memory_gib:.1f} GiB "
-              f"({'fits' if together <= own.plan_gpu_memory_gib else 'does NOT fit'})")
+        together = (plan.peak_bytes + generator.peak_bytes + plan.outside_torch_bytes
+                    + generator.outside_torch_bytes) / GIB  # two processes, each with its own beyond torch
+        print(f"\na trainer and a generator on one GPU: {together:.2f} GiB, beyond torch included, of "
+              f"{own.plan_gpu_memory_gib:.1f} GiB ({'fits' if together <= own.plan_gpu_memory_gib else 'does NOT fit'})")
         record.update(generator_plan_gib=generator.summary(), generator_suggestions=generator.suggestions)
     else:
         print(format_plan(plan))

@@ -13,7 +13,7 @@ from megatron_rl_bi.envs.environment import build_environment
 from megatron_rl_bi.envs.retrieval import RemoteRetriever
 from megatron_rl_bi.envs.sandbox import SandboxConfig, base_interpreter
 from megatron_rl_bi.inference import EngineConfig, Sampling
-from megatron_rl_bi.memory import EngineShape, GIB, Levers, ModelShape, Recompute, RunShape
+from megatron_rl_bi.memory import GIB, OUTSIDE_TORCH_BYTES, EngineShape, Levers, ModelShape, Recompute, RunShape
 from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.models.gpt_spec import moe_layers
 from megatron_rl_bi.reporting.profiling import MemoryHistoryConfig, ProfileConfig
@@ -215,7 +215,7 @@ def memory_run_from_args(args: argparse.Namespace, vocab_size: int, data_paralle
     return RunShape(model=model_shape_from_args(args, vocab_size), engine=engine_shape(engine_config_from_args(args)),
                     micro_batch_tokens=args.rl_micro_batch_tokens, data_parallel=data_parallel,
                     gpu_bytes=gpu_bytes, requests=args.grpo_prompts_per_step * args.grpo_group_size, role=role,
-                    fused_adam=not USING_PYTORCH_OPTIMIZER)
+                    fused_adam=not USING_PYTORCH_OPTIMIZER, outside_torch_bytes=OUTSIDE_TORCH_BYTES)
 
 
 def model_vocab_size(args: argparse.Namespace, tokenizer) -> int:

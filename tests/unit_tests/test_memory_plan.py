@@ -228,6 +228,22 @@ def test_kv_cache_sized_by_fraction_of_what_generation_leaves():
     assert plan.item("KV cache + GDN states").bytes == int(0.5 * (20_000 - 18 * 372))
 
 
+def test_what_the_gpu_holds_beyond_torch_is_not_free_for_tensors():
+    run = dataclasses.replace(_run(gpu=20_000), outside_torch_bytes=3000)
+    by_fraction = plan_memory(run, Levers(kv_cache_fraction=0.5))
+    assert by_fraction.item("KV cache + GDN states").bytes == int(0.5 * (20_000 - 3000 - 18 * 372))
+    peak = plan_memory(run, Levers()).peak_bytes  # 18 * 372 + 1000 + 3280 + 2880 = 13,856
+    assert peak == 13_856
+    def verdict(plan):
+        return next(line for line in memory.format_plan(plan).splitlines() if line.startswith("predicted peak"))
+    exactly = plan_memory(dataclasses.replace(run, gpu_bytes=peak + 3000), Levers())
+    assert exactly.fits and verdict(exactly).endswith("GiB beyond torch (CUDA context, NCCL, cuBLAS, kernels) "
+                                                      "of 0.0 GiB: fits")
+    short = plan_memory(dataclasses.replace(run, gpu_bytes=peak + 2999), Levers())  # the tensors alone would fit
+    assert not short.fits and verdict(short).endswith(": does NOT fit")
+    assert "beyond torch" not in memory.format_plan(plan_memory(_run(), Levers()))  # none given, none printed
+
+
 def test_optimizer_growth_between_the_engines_build_and_generation():
     # 372 bf16 parameters: at the build the fp32 main weights (4 bytes each) are placed; while
     # generating the whole state (12), none of it when offloaded, never any on the CPU route
@@ -301,8 +317,11 @@ def test_the_tool_prints_and_writes_the_plan(tmp_path, monkeypatch, capsys):
     written, printed = json.loads(output.read_text()), capsys.readouterr().out
     assert "a trainer (1 data-parallel):" in printed and "\na generator:\n" in printed
     assert "--plan-gpus 1: the trainers' GPUs; each generator rank (--rl-generator-ranks) is planned apart" in printed
-    together = written["plan_gib"]["peak"] + written["generator_plan_gib"]["peak"]
-    assert f"a trainer and a generator on one GPU: {together:.2f} GiB" in printed
+    beyond = memory.OUTSIDE_TORCH_BYTES / memory.GIB  # each process's, beside its tensors
+    assert written["plan_gib"]["outside_torch"] == written["generator_plan_gib"]["outside_torch"] == beyond
+    together = written["plan_gib"]["peak"] + written["generator_plan_gib"]["peak"] + 2 * beyond
+    assert f"a trainer and a generator on one GPU: {together:.2f} GiB, beyond torch included" in printed
+    assert f" + {beyond:.2f} GiB beyond torch (CUDA context, NCCL, cuBLAS, kernels) of 139.8 GiB: fits" in printed
     assert "KV cache + GDN states" not in written["plan_gib"] and "gradients" not in written["generator_plan_gib"]
     monkeypatch.setattr("sys.argv", ["memory_plan.py", "--plan-gpus", "0"])
     with pytest.raises(SystemExit, match="--plan-gpus must be >= 1"):
@@ -344,15 +363,15 @@ def test_the_tool_plans_for_this_machine_s_gpu_else_an_h200(monkeypatch, capsys)
             "--flash-attention-version", "4"]
     monkeypatch.setattr("sys.argv", argv)
     tool.main()
-    assert "GiB of 139.8 GiB: fits" in capsys.readouterr().out  # no GPU here: an H200's
+    assert " of 139.8 GiB: fits" in capsys.readouterr().out  # no GPU here: an H200's
     monkeypatch.setattr(tool.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tool.torch.cuda, "get_device_properties",
                         lambda index: types.SimpleNamespace(total_memory=int(79.1 * GIB), name="H100"))
     tool.main()
-    assert "GiB of 79.1 GiB: fits" in capsys.readouterr().out
+    assert " of 79.1 GiB: fits" in capsys.readouterr().out
     monkeypatch.setattr("sys.argv", argv + ["--plan-gpu-memory-gib", "40"])
     tool.main()
-    assert "GiB of 40.0 GiB: fits" in capsys.readouterr().out
+    assert " of 40.0 GiB: fits" in capsys.readouterr().out
 
 
 def test_the_tools_help_shows_its_own_flags(monkeypatch, capsys):
