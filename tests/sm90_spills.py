@@ -135,6 +135,28 @@ def rmsnorm_backward_report(d: int = 2048) -> dict:
     return {"as_specialized": report["as_specialized"], "launch_keys": launch_keys(rmsnorm._backward, launches)}
 
 
+DQKWG = {**{name: "*bf16" for name in ("q", "k", "v")}, "g": "*fp32", **{name: "*bf16" for name in ("h", "do", "dh", "dv")},
+         **{name: "*bf16" for name in ("dq", "dk", "dw")}, "dg": "*fp32", "chunk_start": "*i32", "chunk_end": "*i32",
+         "scale": "fp32", "total": "i32"}
+
+
+def dqkwg_report(heads: int = 16, value_heads: int = 32, key_dim: int = 128, value_dim: int = 128) -> dict:
+    """The GDN backward's dq/dk/dw/dg step (models/gdn_dqkwg_triton.py) at Qwen3.5-9B's GDN widths:
+    whether as launched it has the machine code of its compile with every integer a multiple of
+    16, and its launch keys over packed batches of 1 to 1,000 tokens."""
+    from megatron_rl_bi.models import gdn_dqkwg_triton as dqkwg
+
+    constexprs = dict(H=heads, HV=value_heads, K=key_dim, V=value_dim, BT=64, BK=min(key_dim, dqkwg.KEY_BLOCK),
+                      BV=min(value_dim, dqkwg.VALUE_BLOCK), STATE_V_FIRST=False)
+    report = specialization_report(dqkwg._dqkwg_kernel, DQKWG, constexprs, dqkwg.NUM_WARPS, 3)
+    launches = []
+    for total in (1, 16, 17, 100, 1000):
+        t = {name: torch.empty(8, dtype=torch.float32 if kind == "*fp32" else torch.int32 if kind == "*i32"
+                               else torch.bfloat16) for name, kind in DQKWG.items() if kind.startswith("*")}
+        launches.append(((*t.values(), 0.1, total), dict(**constexprs, num_warps=dqkwg.NUM_WARPS)))
+    return {"as_specialized": report["as_specialized"], "launch_keys": launch_keys(dqkwg._dqkwg_kernel, launches)}
+
+
 def grouped_spills() -> int:
     signature = {"rows_ptr": "*bf16", "weight_table_ptr": "*i64", "out_ptr": "*bf16", "row_offsets_ptr": "*i64",
                  "tile_offsets_ptr": "*i64", "tile_experts_ptr": "*i64", "num_experts": "i32", "N": "i32",
@@ -151,7 +173,8 @@ def main() -> None:
               "matmul_as_specialized": [report["as_specialized"] for report in reports],
               "matmul_launch_keys": [matmul_launch_keys(gemm.TileConfig(*v[:5]), v[5], v[6]) for v in variants],
               "grouped": grouped_spills(),
-              "rmsnorm_backward": rmsnorm_backward_report()}
+              "rmsnorm_backward": rmsnorm_backward_report(),
+              "gdn_dqkwg": dqkwg_report()}
     print(json.dumps(spills))
 
 

@@ -63,7 +63,9 @@ def _products_over_values(v, h, do, dh, dv, token, m_t, o_k, state, i_h, HV: tl.
     return b_dq, b_dk, b_dw, b_ds, b_ds_t, b_dg_last
 
 
-@triton.jit
+# `total` (the batch's tokens) only offsets dg's rows and varies from call to call: unspecialized,
+# one variant per width, with the machine code of its multiple-of-16 compile (CPU test).
+@triton.jit(do_not_specialize=["total"])
 def _dqkwg_kernel(q, k, v, g, h, do, dh, dv, dq, dk, dw, dg, chunk_start, chunk_end, scale, total,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr, STATE_V_FIRST: tl.constexpr):
