@@ -71,7 +71,6 @@ def test_the_rmsnorm_backward_compiles_once_a_width_at_no_cost(spills):
 
 def test_the_gdn_backward_step_compiles_once_a_width_at_no_cost(spills):
     """Its token count is not specialized: one variant over packed batches of 1 to 1,000 tokens
-    (a token count that was a multiple of 16 or not compiled two: main's tiny hybrid run at
-    41a9c30 compiled 2 kernels after its first step, on an H100), with the machine code of its
-    compile with the count a multiple of 16. The compile-ahead helper compiles one batch's."""
+    (three before: 1, a multiple of 16, other; a step whose count fell in a class not met before
+    compiled again), with the machine code of its compile with the count a multiple of 16."""
     assert spills["gdn_dqkwg"] == {"as_specialized": True, "launch_keys": 1}
