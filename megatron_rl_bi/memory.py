@@ -21,13 +21,13 @@ GRAD_BYTES = 4  # megatron-core DDP's fp32 main_grad buffer
 # --optimizer-cpu-offload: megatron-core's HybridDeviceOptimizer copies each gradient to a host
 # tensor of the main weight's dtype (page-locked by default) before its CPU step
 HOST_GRAD_BYTES = 4
-# Rows of logits the trainer's LM head computes at once: a [rows, vocab] chunk stays under this
-# many elements (models.logprobs).
 # GPU memory a run's process uses beyond torch's allocator: the CUDA context, NCCL, cuBLAS and the
 # kernels' modules. Measured once (memory/beyond_torch_gib): 1.9 GiB for Qwen3.5-9B's widths at 8
 # layers on an H100, a process alone on its GPU (results/README.md, "Session of 41a9c30"), a run
 # the plan said fitted and that ran out of memory.
 OUTSIDE_TORCH_BYTES = int(1.9 * GIB)
+# Rows of logits the trainer's LM head computes at once: a [rows, vocab] chunk stays under this
+# many elements (models.logprobs).
 LOGITS_CHUNK_ELEMENTS = 2**27
 LOGITS_BYTES_PER_ELEMENT = 16  # bf16 logits, fp32 copy, fp32 log-softmax, fp32 + bf16 gradients
 

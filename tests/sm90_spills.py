@@ -1,6 +1,7 @@
 """Compiles the BI GEMMs' kernels for an H100/H200 (sm_90a) with the installed Triton and ptxas, no
 GPU needed, and prints as JSON each kernel variant's ptxas spill bytes, whether its machine code is its
-fully specialized compile's, and the launch keys of the BI GEMM and RMSNorm backward. Run as a process of its own
+fully specialized compile's, and the launch keys of the BI GEMM, the RMSNorm backward and the GDN
+backward's dq/dk/dw/dg step. Run as a process of its own
 (`python -m tests.sm90_spills`): the CPU tests run Triton's interpreter, whose kernels do not compile.
 Used by tests/unit_tests/test_bi_gemm_compiles.py."""
 
@@ -17,6 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from megatron_rl_bi.bi import gemm, grouped_gemm, rmsnorm
+from megatron_rl_bi.models import gdn_dqkwg_triton as dqkwg
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
@@ -144,8 +146,6 @@ def dqkwg_report(heads: int = 16, value_heads: int = 32, key_dim: int = 128, val
     """The GDN backward's dq/dk/dw/dg step (models/gdn_dqkwg_triton.py) at Qwen3.5-9B's GDN widths:
     whether as launched it has the machine code of its compile with every integer a multiple of
     16, and its launch keys over packed batches of 1 to 1,000 tokens."""
-    from megatron_rl_bi.models import gdn_dqkwg_triton as dqkwg
-
     constexprs = dict(H=heads, HV=value_heads, K=key_dim, V=value_dim, BT=64, BK=min(key_dim, dqkwg.KEY_BLOCK),
                       BV=min(value_dim, dqkwg.VALUE_BLOCK), STATE_V_FIRST=False)
     report = specialization_report(dqkwg._dqkwg_kernel, DQKWG, constexprs, dqkwg.NUM_WARPS, 3)

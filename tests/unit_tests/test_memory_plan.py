@@ -234,6 +234,7 @@ def test_what_the_gpu_holds_beyond_torch_is_not_free_for_tensors():
     assert by_fraction.item("KV cache + GDN states").bytes == int(0.5 * (20_000 - 3000 - 18 * 372))
     peak = plan_memory(run, Levers()).peak_bytes  # 18 * 372 + 1000 + 3280 + 2880 = 13,856
     assert peak == 13_856
+
     def verdict(plan):
         return next(line for line in memory.format_plan(plan).splitlines() if line.startswith("predicted peak"))
     exactly = plan_memory(dataclasses.replace(run, gpu_bytes=peak + 3000), Levers())
