@@ -8,10 +8,16 @@ megatron_rl_bi's (`python pretrain_rl.py --help`, group "megatron_rl_bi"). Every
 checked without a GPU (flags, recipe, tokenizer, dataset lines) is checked before CUDA is touched.
 """
 
+import sys
+
+if __name__ == "__main__":  # before the imports below, which the workers' own imports overlap
+    from megatron_rl_bi.compiling.workers import start_compile_workers
+
+    COMPILE_WORKERS = start_compile_workers(sys.argv[1:])
+
 import argparse
 import dataclasses
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -58,7 +64,9 @@ from megatron_rl_bi.memory import (
     parameter_count,
     plan_memory,
 )
+from megatron_rl_bi.compiling.workers import CompileWorkers
 from megatron_rl_bi.models.build import build_model
+from megatron_rl_bi.models.compile_ahead import compile_ahead, compile_ahead_problem
 from megatron_rl_bi.optimizer import build_ddp_and_optimizer, build_lr_scheduler
 from megatron_rl_bi.reporting.compiles import count_triton_compiles
 from megatron_rl_bi.reporting.metrics import MetricsLogger
@@ -267,7 +275,37 @@ def seconds_before_main(started: float) -> float:
     return main_started - psutil.Process().create_time()
 
 
-def train(inputs: RunInputs, bridge: Bridge | None, started: float) -> None:
+def compiling_ahead(args: argparse.Namespace) -> bool:
+    """BI mode with --rl-compile-ahead-workers above 0 (models/compile_ahead.py: why BI only)."""
+    return args.batch_invariant_mode and args.rl_compile_ahead_workers > 0
+
+
+def compile_kernels_ahead(args: argparse.Namespace, ddp, workers: CompileWorkers | None, vocab_size: int) -> float:
+    """The trainer's kernels compiled by the workers before its first step (models/compile_ahead.py),
+    then the workers ended; the seconds it took. A failure is printed and leaves the kernels to the
+    first step."""
+    if not compiling_ahead(args):
+        return 0.0
+    started, outcome = time.perf_counter(), None
+    try:
+        if problem := compile_ahead_problem(ddp):
+            if workers is not None:
+                print(f"compile ahead: off ({problem}): the first step compiles the kernels", flush=True)
+        else:
+            outcome = compile_ahead(ddp, workers, vocab_size, args.seq_length)
+    except Exception as exc:  # an optimization: the run goes on and compiles in its first step
+        print(f"compile ahead: failed ({type(exc).__name__}: {exc}): the first step compiles the kernels", flush=True)
+    finally:
+        if workers is not None:
+            workers.close()
+    if outcome is not None:
+        failed = f", the first: {outcome['failed'][0]}" if outcome["failed"] else ""
+        print(f"compile ahead: {outcome['jobs']} kernels in {len(workers.processes)} processes, "
+              f"{len(outcome['failed'])} failed{failed}; waited {outcome['wall_s']:.1f} s", flush=True)
+    return time.perf_counter() - started
+
+
+def train(inputs: RunInputs, bridge: Bridge | None, started: float, workers: CompileWorkers | None) -> None:
     """A trainer rank's run: the policy, its optimizer and, unless generators are apart, the
     engine on the same module; then the RL loop. The first step's record carries the start-up's
     phases: the imports before `started` (main's perf_counter), and each phase after it."""
@@ -277,7 +315,9 @@ def train(inputs: RunInputs, bridge: Bridge | None, started: float) -> None:
         ddp, optimizer = build_ddp_and_optimizer(args, model)
         lr_scheduler = build_lr_scheduler(args, optimizer)
         reference = build_reference_model(args, model) if args.grpo_kl_beta > 0 else None
-        generator, model_built = None, time.perf_counter()
+        model_built = time.perf_counter()
+        compile_ahead_s = compile_kernels_ahead(args, ddp, workers, inputs.vocab_size)
+        generator, compiled = None, time.perf_counter()
         if bridge is None:
             try:
                 engine_config = size_kv_cache(args, inputs.engine_config, inputs.vocab_size)
@@ -290,7 +330,8 @@ def train(inputs: RunInputs, bridge: Bridge | None, started: float) -> None:
         if logger:
             logger.add_to_next_record({"time/startup_imports_s": seconds_before_main(started),
                                        "time/startup_model_s": model_built - started,
-                                       "time/startup_engine_s": engine_built - model_built})
+                                       "time/startup_compile_ahead_s": compile_ahead_s,
+                                       "time/startup_engine_s": engine_built - compiled})
         run_rl(ddp=ddp, optimizer=optimizer, generator=generator, task=task, tokenizer=tokenizer,
                rollout_config=inputs.rollout_config,
                step_config=step_config_from_args(args),
@@ -302,7 +343,8 @@ def train(inputs: RunInputs, bridge: Bridge | None, started: float) -> None:
     torch.distributed.barrier()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, compile_workers: CompileWorkers | None = None) -> None:
+    """`compile_workers`: those started before the imports (--rl-compile-ahead-workers), if any."""
     started = time.perf_counter()
     count_triton_compiles()  # from the start: the first step's record counts the start-up's
     start_save_results_queue()  # forked while this process has one thread and no CUDA
@@ -312,6 +354,9 @@ def main(argv: list[str] | None = None) -> None:
         report_to_torchrun(f"pretrain_rl.py: error: {exc}")
         raise SystemExit(f"pretrain_rl.py: error: {exc}") from None
     print_arguments(inputs.args)
+    if compile_workers is not None and (inputs.roles.is_generator or not compiling_ahead(inputs.args)):
+        compile_workers.close()
+        compile_workers = None
     if inputs.args.launch_check:
         launch_check(inputs.args.load, inputs.kernel_problem, inputs.args.rl_generator_ranks)
         return
@@ -319,9 +364,9 @@ def main(argv: list[str] | None = None) -> None:
     if inputs.roles.is_generator:
         generate_apart(inputs, bridge)
     else:
-        train(inputs, bridge, started)
+        train(inputs, bridge, started, compile_workers)
     torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    main(compile_workers=COMPILE_WORKERS)

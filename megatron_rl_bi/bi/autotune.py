@@ -13,12 +13,14 @@ run, not of time. The first candidate is not always the fastest: that is the pri
 later candidates are not compiled, which is the gain (a first step tunes in one compile a kernel).
 """
 
+import contextlib
 import threading
 
 from triton.runtime.autotuner import Autotuner
 
 _timed_run = Autotuner.run
 _lock = threading.RLock()  # an autotuner's state is swapped for the call: one call at a time
+_keep_picks = True
 
 
 def _first_that_runs():
@@ -42,7 +44,7 @@ def _untimed_run(self: Autotuner, *args, **kwargs):
     with _lock:
         state = self.__dict__
         saved = {name: state[name] for name in ("cache", "cache_results", "do_bench") if name in state}
-        state["cache"] = state.setdefault("_untimed_picks", {})
+        state["cache"] = state.setdefault("_untimed_picks", {}) if _keep_picks else {}
         state["cache_results"] = False
         state["do_bench"] = _first_that_runs()
         try:
@@ -51,6 +53,19 @@ def _untimed_run(self: Autotuner, *args, **kwargs):
             for name in ("cache", "cache_results", "do_bench"):
                 state.pop(name, None)
             state.update(saved)
+
+
+@contextlib.contextmanager
+def picks_not_kept():
+    """Autotuners pick as usual but keep no pick: for a pass whose launches do not run
+    (models/compile_ahead.py), where the first candidate always seems to run; the run's own first
+    call then picks the one that does."""
+    global _keep_picks
+    _keep_picks = False
+    try:
+        yield
+    finally:
+        _keep_picks = True
 
 
 def install() -> None:

@@ -16,6 +16,7 @@ import yaml
 
 from megatron_rl_bi.checkpoints.hf.config import megatron_flags, read_hf_model
 from megatron_rl_bi.checkpoints.megatron import resolve_checkpoint_dir
+from megatron_rl_bi.compiling.workers import DEFAULT_WORKERS, WORKERS_FLAG
 from megatron_rl_bi.config.hf_args import add_hf_args, checkpoint_flag_errors
 from megatron_rl_bi.config.megatron_args import build_parser, parse_args, raise_if_invalid
 from megatron_rl_bi.envs.recording import read_recording
@@ -66,6 +67,15 @@ def _add_record_args(group) -> None:
                        help="--rl-samples-jsonl: rank 0's first N rollouts of each step")
     group.add_argument("--rl-keep-last-k", type=int, default=0,
                        help="keep only the newest K checkpoints under --save (0: all)")
+
+
+def _add_compile_ahead_args(group) -> None:
+    group.add_argument(WORKERS_FLAG, type=int, default=DEFAULT_WORKERS, metavar="N",
+                       help="BI mode: N processes compile the trainer's Triton and FlashAttention-4 kernels "
+                       "before its first step, sent by a forward and backward that launches nothing "
+                       "(models/compile_ahead.py); 0: the first step compiles them. The count is read from "
+                       "the command line: the processes start before the run's imports (a recipe's 0 "
+                       "still ends them)")
 
 
 def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -125,6 +135,7 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--rl-kv-cache-memory-fraction", type=float, default=None, metavar="F",
                        help="size the engine's KV cache as this fraction of the GPU memory free while "
                        "it generates (instead of --inference-dynamic-batching-buffer-size-gb)")
+    _add_compile_ahead_args(group)
     return add_multi_turn_args(parser)
 
 

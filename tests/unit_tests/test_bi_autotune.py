@@ -76,6 +76,19 @@ def test_a_candidate_that_cannot_run_is_passed_over(switch_off):
     assert picked(tuner, kernel, 1) == 32 and kernel.ran == [32, 32]  # 64 not run
 
 
+def test_a_pass_that_launches_nothing_keeps_no_pick(switch_off):
+    """models/compile_ahead.py's pass: nothing launches there, so the first candidate always seems
+    to run; kept, the run would take a candidate its GPU cannot run."""
+    kernel = StandInKernel(too_big={16})
+    tuner = autotuner(kernel)
+    bi.enable()
+    kernel.too_big.clear()  # the pass: every candidate "runs"
+    with bi.autotune.picks_not_kept():
+        assert picked(tuner, kernel, 1) == 16
+    kernel.too_big.add(16)
+    assert picked(tuner, kernel, 1) == 32  # the run's own pick
+
+
 def test_on_the_switch_the_disk_cache_is_neither_read_nor_written(switch_off, monkeypatch):
     asked = []
 

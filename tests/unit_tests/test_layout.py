@@ -19,6 +19,7 @@ ALLOWED = {
     "packing": set(),
     "numerics": set(),
     "distributed": set(),
+    "compiling": set(),
     "bi": {"compat"},
     "attention": {"bi", "packing"},
     "models": {"bi", "compat", "attention", "packing", "memory", "numerics"},

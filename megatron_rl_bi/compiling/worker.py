@@ -1,0 +1,138 @@
+"""One compile worker (compiling/workers.py starts it): reads JSON jobs from its input, a line
+each, compiles each into the disk cache the run reads, and answers each with a line:
+{"name", "seconds"}, and "error" when it failed.
+
+Jobs (models/compile_ahead.py writes them):
+- "triton": a launch's serialized specialization (what Triton's `jit_cache_hook` is given) and
+  the run's GPU target; compiled as the launch would have been, for that target, without a GPU.
+- "flash_attention": a FlashAttention-4 varlen call's tensors (shape, strides, dtype), integer
+  tensors' values and keywords; made on this process's GPU and called (its backward too when the
+  run's call had one), so FlashAttention-4 compiles them into its disk cache (on in the package).
+"""
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import JITFunction, convert_to_tuple_if_list
+
+# What holds the kernels the jobs name (the package's model code imports its BI kernels, fla's and
+# megatron-core's) and FlashAttention-4: seconds of imports, made before the first job, while the
+# run makes its own.
+KERNEL_MODULES = ("megatron_rl_bi.models.build", "flash_attn.cute")
+
+
+def import_kernel_modules() -> None:
+    for name in KERNEL_MODULES:
+        if importlib.util.find_spec(name.split(".")[0]) is not None:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass  # flash_attn that is not FlashAttention-4: no job needs it
+
+
+def _named(full_name: str):
+    """The object `module.qualname` (or `module:qualname`) names."""
+    if ":" in full_name:
+        module_name, qualname = full_name.split(":", 1)
+        obj = importlib.import_module(module_name)
+        for attr in qualname.split("."):
+            obj = getattr(obj, attr)
+        return obj
+    parts = full_name.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:split]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[split:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ModuleNotFoundError(f"no module holds {full_name}")
+
+
+def jit_function(full_name: str) -> JITFunction:
+    """The Triton kernel `module.qualname`, unwrapped from its autotuner and heuristics."""
+    obj = _named(full_name)
+    while not isinstance(obj, JITFunction):
+        obj = obj.fn
+    return obj
+
+
+def _constexpr(value):
+    """A constant as Triton's specialization data serializes it, back (JITFunction.preload's
+    rules, and a kernel passed as a constant)."""
+    if isinstance(value, dict) and "constexpr" in value:
+        return tl.constexpr(value["constexpr"])
+    if isinstance(value, dict) and "jit_function" in value:
+        return _named(value["jit_function"])
+    return tl.dtype(value) if tl.dtype.is_dtype(value) else value
+
+
+def compile_triton(job: dict) -> None:
+    """Compile one launch's specialization for the run's target, as Triton's launch would
+    (JITFunction._do_compile), into this process's Triton cache: the run's."""
+    spec = json.loads(job["specialization"])
+    fn = jit_function(spec["name"])
+    target = GPUTarget(*job["target"])
+    constexprs = {tuple(key): _constexpr(value) for key, value in zip(spec["constant_keys"], spec["constant_vals"])}
+    attrs = dict(zip(map(tuple, spec["attrs_keys"]), spec["attrs_vals"]))
+    signature = {key: convert_to_tuple_if_list(value) for key, value in spec["signature"].items()}
+    options = {key: tuple(value) if isinstance(value, list) else value for key, value in spec["options"].items()}
+    options = triton.compiler.make_backend(target).parse_options(options)
+    triton.compile(triton.compiler.ASTSource(fn, signature, constexprs, attrs), target=target,
+                   options=options.__dict__)
+
+
+def _tensor(description: dict, requires_grad: bool) -> torch.Tensor:
+    """A tensor on this process's GPU with the shape, strides and dtype described, random values
+    (or the integers given)."""
+    dtype = getattr(torch, description["dtype"])
+    if "values" in description:
+        return torch.tensor(description["values"], dtype=dtype, device="cuda")
+    tensor = torch.empty_strided(description["shape"], description["stride"], dtype=dtype, device="cuda")
+    return tensor.normal_().requires_grad_(requires_grad)
+
+
+def compile_flash_attention(job: dict) -> None:
+    """Call FlashAttention-4's varlen function as the run did (and its backward): it compiles
+    each kernel it lacks and keeps it in its disk cache."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    q, k, v = (_tensor(job["tensors"][name], job["backward"]) for name in ("q", "k", "v"))
+    kwargs = {name: _tensor(value, False) if isinstance(value, dict) else value
+              for name, value in job["kwargs"].items()}
+    out = flash_attn_varlen_func(q, k, v, **kwargs)[0]
+    if job["backward"]:
+        out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+
+
+COMPILERS = {"triton": compile_triton, "flash_attention": compile_flash_attention}
+
+
+def main() -> None:
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # what the compilers print goes to stderr: stdout carries the answers only
+    import_kernel_modules()
+    for line in sys.stdin:
+        job = json.loads(line)
+        started = time.perf_counter()
+        answer = {"name": job["name"]}
+        try:
+            COMPILERS[job["kind"]](job)
+        except Exception as exc:  # the run compiles this one itself: report why, go on
+            answer["error"] = f"{job['name']}: {type(exc).__name__}: {exc}"
+        answer["seconds"] = time.perf_counter() - started
+        answers.write(json.dumps(answer) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Compile ahead on the GPU: after the pass (models/compile_ahead.py) and its workers, a training
+forward and backward of another batch compiles nothing itself, Triton's kernels nor
+FlashAttention-4's: it loads them all from the disk caches the workers wrote. A process of its
+own with empty caches (a test process has compiled kernels in memory already)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests import REPO
+
+pytestmark = pytest.mark.gpu
+
+SCRIPT = textwrap.dedent("""
+    import json, pathlib, sys
+    import torch
+    from megatron_rl_bi.compiling.workers import CompileWorkers
+    from megatron_rl_bi.config import parse_args
+    from megatron_rl_bi.distributed import initialize_distributed
+    from megatron_rl_bi.models.compile_ahead import compile_ahead
+    from megatron_rl_bi.models.logprobs import forward_logprobs
+    from megatron_rl_bi.optimizer import build_ddp_and_optimizer
+    from megatron_rl_bi.packing import pack_sequences
+    from megatron_rl_bi.reporting.compiles import count_triton_compiles
+    from tests.gpu.conftest import TINY_HYBRID_ARGS, VOCAB_SIZE, build
+
+    fa4_cache = pathlib.Path(sys.argv[1])
+    tally = count_triton_compiles()
+    initialize_distributed(seed=1234)
+    model = build(TINY_HYBRID_ARGS, batch_invariant=True)
+    ddp, _ = build_ddp_and_optimizer(parse_args(TINY_HYBRID_ARGS + ["--batch-invariant-mode", "--lr", "1e-5"]), model)
+    workers = CompileWorkers(4)
+    outcome = compile_ahead(ddp, workers, VOCAB_SIZE, 1024)
+    workers.close()
+    in_pass = tally.take()
+    fa4_before = sorted(str(p) for p in fa4_cache.rglob("*.o"))
+    torch.manual_seed(5)
+    batch = pack_sequences([torch.randint(0, VOCAB_SIZE, (n,)).tolist() for n in (517, 90, 33, 7)])
+    logprobs, _ = forward_logprobs(ddp, batch.to(torch.cuda.current_device()))
+    logprobs.sum().backward()
+    torch.cuda.synchronize()
+    print(json.dumps({"outcome": outcome, "in_pass": in_pass, "step": tally.take(), "fa4_before": fa4_before,
+                      "fa4_after": sorted(str(p) for p in fa4_cache.rglob("*.o"))}))
+""")
+
+
+def test_after_the_pass_a_training_step_compiles_nothing_itself(tmp_path):
+    fa4_cache = tmp_path / "fa4"
+    environment = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+                   "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(fa4_cache),
+                   "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1",
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(fa4_cache)], env=environment, cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    outcome = result["outcome"]
+    assert outcome["failed"] == [] and outcome["jobs"] > 10, outcome
+    assert result["in_pass"]["time/triton_compiles"] == 0  # the pass compiled nothing itself
+    assert result["step"]["time/triton_compiles"] == 0, result["step"]
+    assert result["step"]["time/triton_cache_loads"] > 10
+    assert result["fa4_before"] and result["fa4_after"] == result["fa4_before"]  # FA4 compiled nothing new
+    print(json.dumps({"outcome": outcome, "step": result["step"]}), file=sys.stderr)
+

@@ -1,0 +1,217 @@
+"""Compile ahead (CPU): the compile workers (compiling/) and the pass that feeds them
+(models/compile_ahead.py). Triton compiles for sm_90a without a GPU; the launches go through
+Triton's own launch path with a driver that names the target and has no device, in a process
+of their own without Triton's interpreter (the CPU tests' conftest turns it on)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from megatron_rl_bi.compiling import workers as compile_workers
+from megatron_rl_bi.models.compile_ahead import DRY_LENGTHS, KernelSender, dry_batches, sending
+from tests import REPO
+from tests.sm90_spills import compiling_environment
+
+KERNELS = textwrap.dedent("""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_kernel(x, y, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y + offsets, tl.load(x + offsets, mask=offsets < n), mask=offsets < n)
+""")
+
+LAUNCHES = textwrap.dedent("""
+    import json
+    import torch
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    from megatron_rl_bi.compiling.workers import CompileWorkers
+    from megatron_rl_bi.models.compile_ahead import KernelSender
+    from copy_kernels import copy_kernel  # the workers import it by its module's name
+
+    TARGET = GPUTarget("cuda", 90, 32)
+
+    class NoDevice:  # what a launch asks of the driver before it compiles
+        def get_current_device(self): return 0
+        def get_current_stream(self, device=None): return 0
+        def get_current_target(self): return TARGET
+        def get_active_torch_device(self): return torch.device("cpu")
+
+    driver.set_active(NoDevice())
+    compiled = []
+    knobs.compilation.listener = lambda *, times, cache_hit, **_: compiled.append(cache_hit)
+    workers = CompileWorkers(2)
+    sender = KernelSender(workers, TARGET)
+    knobs.runtime.jit_cache_hook = sender.triton_launch
+    x, y = torch.ones(128), torch.zeros(128)
+    for n in (128, 33, 128):  # two specializations: n a multiple of 16 and not
+        copy_kernel[(1,)](x, y, n, BLOCK=128)
+    knobs.runtime.jit_cache_hook = None
+    in_sender = {"compiled": len(compiled), "y_sum": float(y.sum())}
+    outcome = workers.wait()
+    workers.close()
+    specializations = [json.loads(job)["specialization"] for job in sender.sent]
+    for specialization in specializations:  # Triton's own path from a specialization to a kernel
+        copy_kernel.preload(specialization)
+    print(json.dumps({"in_sender": in_sender, "sent": len(sender.sent), "jobs": outcome["jobs"],
+                      "failed": outcome["failed"], "cache_hits_after": compiled}))
+""")
+
+
+def run_script(tmp_path, script: str) -> dict:
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    (tmp_path / "copy_kernels.py").write_text(KERNELS)
+    environment = compiling_environment(TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=f"{REPO}:{tmp_path}")
+    done = subprocess.run([sys.executable, str(path)], env=environment, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_workers_compile_what_the_launches_would_and_nothing_compiles_or_runs_in_the_sender(tmp_path):
+    result = run_script(tmp_path, LAUNCHES)
+    assert result["in_sender"] == {"compiled": 0, "y_sum": 0.0}  # no compilation, no launch
+    assert result["sent"] == 2 and result["jobs"] == 2 and result["failed"] == []  # the repeat sent once
+    assert result["cache_hits_after"] == [True, True]  # Triton's own compile of each finds the workers'
+
+
+def test_a_failed_job_is_reported_and_the_others_go_on(tmp_path):
+    workers = compile_workers.CompileWorkers(1)
+    try:
+        workers.submit({"kind": "triton", "name": "nowhere.kernel", "target": ["cuda", 90, 32],
+                        "specialization": json.dumps({"name": "nowhere.kernel"})})
+        workers.submit({"kind": "flash_attention_5", "name": "unknown kind"})
+        outcome = workers.wait(timeout=120)
+    finally:
+        workers.close()
+    assert outcome["jobs"] == 2
+    assert outcome["failed"] == ["nowhere.kernel: ModuleNotFoundError: no module holds nowhere.kernel",
+                                 "unknown kind: KeyError: 'flash_attention_5'"]
+
+
+def test_a_worker_that_dies_fails_its_job_and_the_others_take_the_rest(tmp_path):
+    workers = compile_workers.CompileWorkers(2)
+    try:
+        workers.submit({"kind": "unknown", "name": "first"})  # to the first worker, still importing
+        dead = workers.processes[0]
+        dead.kill()
+        dead.wait()
+        for name in ("second", "third"):
+            workers.submit({"kind": "unknown", "name": name})
+        outcome = workers.wait(timeout=120)
+    finally:
+        workers.close()
+    assert outcome["jobs"] == 3
+    assert outcome["failed"][0] == "worker exited with code -9 on first"  # the dead one's
+    assert sorted(outcome["failed"][1:]) == ["second: KeyError: 'unknown'", "third: KeyError: 'unknown'"]
+
+
+def test_without_workers_left_the_jobs_fail_and_the_wait_ends():
+    workers = compile_workers.CompileWorkers(1)
+    workers.submit({"kind": "unknown", "name": "first"})
+    workers.processes[0].kill()
+    workers.processes[0].wait()
+    workers.submit({"kind": "unknown", "name": "second"})
+    outcome = workers.wait(timeout=60)
+    workers.close()
+    assert outcome["failed"] == ["worker exited with code -9 on first", "no worker left for second"]
+
+
+@pytest.mark.parametrize("argv, count", [([], compile_workers.DEFAULT_WORKERS),
+                                         (["--rl-compile-ahead-workers", "3"], 3),
+                                         (["--lr", "1", "--rl-compile-ahead-workers=0"], 0)])
+def test_the_count_comes_from_the_command_line(argv, count):
+    assert compile_workers.workers_on_command_line(argv) == count
+
+
+def test_workers_start_on_a_gpu_machine_in_its_first_process_only(monkeypatch):
+    gpu = {"/dev/nvidiactl": True}
+    monkeypatch.setattr(compile_workers.os.path, "exists", lambda path: gpu.get(path, False))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    started = compile_workers.start_compile_workers(["--rl-compile-ahead-workers", "2"])
+    assert len(started.processes) == 2
+    started.close()
+    assert all(process.returncode == 0 for process in started.processes)  # ended by their input's end
+    assert compile_workers.start_compile_workers(["--rl-compile-ahead-workers", "0"]) is None
+    assert compile_workers.start_compile_workers(["--help"]) is None
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert compile_workers.start_compile_workers([]) is None
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    gpu.clear()
+    assert compile_workers.start_compile_workers([]) is None
+
+
+def test_the_pass_batches_cover_both_token_classes_and_fit_the_model():
+    batches = dry_batches(vocab_size=50, max_length=4096)
+    assert [b.sequence_lengths for b in batches] == [list(lengths) for lengths in DRY_LENGTHS]
+    assert [b.input_ids.numel() % 16 == 0 for b in batches] == [False, True]
+    assert max(b.sequence_lengths[0] for b in batches) > 128  # a sequence of several attention blocks
+    assert all(int(b.input_ids.max()) < 50 for b in batches)
+    assert max(dry_batches(vocab_size=50, max_length=100)[0].sequence_lengths) == 100
+
+
+class RecordingWorkers:
+    def __init__(self):
+        self.jobs = []
+
+    def submit(self, job):
+        self.jobs.append(job)
+
+
+class Core:
+    def __init__(self):
+        self.varlen = self.own_varlen
+
+    def own_varlen(self, *args, **kwargs):
+        raise AssertionError("the pass ran the attention")
+
+
+def test_a_flash_attention_call_is_sent_once_with_its_shapes_and_answered_with_empty_tensors():
+    workers = RecordingWorkers()
+    sender = KernelSender(workers, type("Target", (), {"backend": "cuda", "arch": 90, "warp_size": 32}))
+    q = torch.randn(12, 4, 8, requires_grad=True)
+    kv = torch.randn(12, 16, 2).transpose(1, 2).requires_grad_()  # [12, 2, 16], not contiguous
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    core = Core()
+    with sending([core], sender):
+        outs = [core.varlen(q, kv[..., :8], kv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7, max_seqlen_k=7,
+                            causal=True, num_splits=1) for _ in range(2)]
+    assert core.varlen == core.own_varlen  # put back
+    assert outs[0].shape == (12, 4, 16)
+    outs[0].sum().backward()
+    assert q.grad.shape == q.shape and kv.grad.shape == kv.shape
+    [job] = workers.jobs
+    assert job["kind"] == "flash_attention" and job["backward"] is True
+    assert job["tensors"]["q"] == {"shape": [12, 4, 8], "stride": [32, 8, 1], "dtype": "float32"}
+    assert job["tensors"]["v"] == {"shape": [12, 2, 16], "stride": [32, 1, 2], "dtype": "float32"}
+    assert job["kwargs"] == {"cu_seqlens_q": {"values": [0, 5, 12], "dtype": "int32"},
+                             "cu_seqlens_k": {"values": [0, 5, 12], "dtype": "int32"},
+                             "max_seqlen_q": 7, "max_seqlen_k": 7, "causal": True, "num_splits": 1}
+
+
+def test_sending_puts_back_the_hook_and_the_cores_after_an_error():
+    from triton import knobs
+
+    before, core = knobs.runtime.jit_cache_hook, Core()
+    sender = KernelSender(None, type("Target", (), {"backend": "cuda", "arch": 90, "warp_size": 32}))
+    with pytest.raises(RuntimeError), sending([core], sender):
+        assert knobs.runtime.jit_cache_hook == sender.triton_launch
+        raise RuntimeError
+    assert knobs.runtime.jit_cache_hook is before and core.varlen == core.own_varlen
+
+
+def test_the_worker_module_runs_alone():
+    """`python -m megatron_rl_bi.compiling.worker` ends at its input's end, answering nothing."""
+    done = subprocess.run([sys.executable, "-m", "megatron_rl_bi.compiling.worker"], input="", capture_output=True,
+                          text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    assert done.returncode == 0 and done.stdout == ""
