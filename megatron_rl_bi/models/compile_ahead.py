@@ -9,9 +9,7 @@ and autotuners keep no pick (bi.autotune.picks_not_kept). Once the workers are d
 first step loads their kernels from Triton's and FlashAttention-4's disk caches.
 
 BI mode only: there an autotuner tries its candidates in order, untimed (bi/autotune.py); in
-default mode it would time launches that do not run. The two batches cover a token count that is
-a multiple of 16 and one that is not, sequences of one attention block and of several: the
-classes Triton and FlashAttention-4 compile apart.
+default mode it would time launches that do not run.
 """
 
 import contextlib
@@ -28,13 +26,25 @@ from megatron_rl_bi.bi import autotune
 from megatron_rl_bi.models.logprobs import forward_logprobs
 from megatron_rl_bi.packing import PackedBatch, pack_sequences
 
-DRY_LENGTHS = ((300, 64, 37, 11), (24, 16, 13, 11))  # 412 tokens (not a multiple of 16), 64 tokens
+# The pass's batches: (sequences, the first one's length, the token count modulo 16). Triton
+# compiles an integer argument apart when it is a multiple of 16 (a token count, a count of
+# sequences or of chunks) and FlashAttention-4 a batch whose sequences fit one block apart: the
+# four batches meet each class of each, in each pairing of the two counts.
+DRY_SHAPES = ((5, 300, 5), (5, 300, 0), (16, 8, 5), (16, 8, 0))
+
+
+def dry_lengths(sequences: int, longest: int, residue: int, max_length: int) -> list[int]:
+    """`sequences` lengths: the first `longest` (at most `max_length`), the others 8 tokens and
+    the last grown by up to 15 to make the total `residue` modulo 16."""
+    lengths = [min(longest, max_length)] + [8] * (sequences - 1)
+    lengths[-1] += (residue - sum(lengths)) % 16
+    return lengths
 
 
 def dry_batches(vocab_size: int, max_length: int) -> list[PackedBatch]:
-    """The pass's packed batches: DRY_LENGTHS, each at most `max_length`, made-up token ids."""
-    return [pack_sequences([[(7 * i + 3) % vocab_size for i in range(min(length, max_length))]
-                            for length in lengths]) for lengths in DRY_LENGTHS]
+    """The pass's packed batches (DRY_SHAPES), of made-up token ids."""
+    return [pack_sequences([[(7 * i + 3) % vocab_size for i in range(length)]
+                            for length in dry_lengths(*shape, max_length)]) for shape in DRY_SHAPES]
 
 
 class KernelSender:

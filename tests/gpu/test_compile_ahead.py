@@ -1,5 +1,5 @@
-"""Compile ahead on the GPU: after the pass (models/compile_ahead.py) and its workers, a training
-forward and backward of another batch compiles nothing itself, Triton's kernels nor
+"""Compile ahead on the GPU: after the pass (models/compile_ahead.py) and its workers, training
+forwards and backwards of other batches compile nothing themselves, Triton's kernels nor
 FlashAttention-4's: it loads them all from the disk caches the workers wrote. A process of its
 own with empty caches (a test process has compiled kernels in memory already)."""
 
@@ -39,16 +39,18 @@ SCRIPT = textwrap.dedent("""
     in_pass = tally.take()
     fa4_before = sorted(str(p) for p in fa4_cache.rglob("*.o"))
     torch.manual_seed(5)
-    batch = pack_sequences([torch.randint(0, VOCAB_SIZE, (n,)).tolist() for n in (517, 90, 33, 7)])
-    logprobs, _ = forward_logprobs(ddp, batch.to(torch.cuda.current_device()))
-    logprobs.sum().backward()
+    # a step's batch of a few long sequences, and an SFT warm-up's of 64 short ones
+    for lengths in ((517, 90, 33, 7), [20 + i % 7 for i in range(64)]):
+        batch = pack_sequences([torch.randint(0, VOCAB_SIZE, (n,)).tolist() for n in lengths])
+        logprobs, _ = forward_logprobs(ddp, batch.to(torch.cuda.current_device()))
+        logprobs.sum().backward()
     torch.cuda.synchronize()
     print(json.dumps({"outcome": outcome, "in_pass": in_pass, "step": tally.take(), "fa4_before": fa4_before,
                       "fa4_after": sorted(str(p) for p in fa4_cache.rglob("*.o"))}))
 """)
 
 
-def test_after_the_pass_a_training_step_compiles_nothing_itself(tmp_path):
+def test_after_the_pass_training_compiles_nothing_itself(tmp_path):
     fa4_cache = tmp_path / "fa4"
     environment = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"),
                    "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(fa4_cache),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_rl_bi.compiling import workers as compile_workers
-from megatron_rl_bi.models.compile_ahead import DRY_LENGTHS, KernelSender, dry_batches, sending
+from megatron_rl_bi.models.compile_ahead import KernelSender, dry_batches, sending
 from tests import REPO
 from tests.sm90_spills import compiling_environment
 
@@ -151,13 +151,14 @@ def test_workers_start_on_a_gpu_machine_in_its_first_process_only(monkeypatch):
     assert compile_workers.start_compile_workers([]) is None
 
 
-def test_the_pass_batches_cover_both_token_classes_and_fit_the_model():
-    batches = dry_batches(vocab_size=50, max_length=4096)
-    assert [b.sequence_lengths for b in batches] == [list(lengths) for lengths in DRY_LENGTHS]
-    assert [b.input_ids.numel() % 16 == 0 for b in batches] == [False, True]
-    assert max(b.sequence_lengths[0] for b in batches) > 128  # a sequence of several attention blocks
+@pytest.mark.parametrize("max_length", [64, 4096])
+def test_the_pass_batches_meet_each_class_in_each_pairing(max_length):
+    batches = dry_batches(vocab_size=50, max_length=max_length)
+    classes = [(b.input_ids.numel() % 16 == 0, b.num_sequences % 16 == 0, b.max_seqlen <= 32) for b in batches]
+    assert sorted(classes[:2]) == [(False, False, False), (True, False, False)]  # sequences of several blocks
+    assert sorted(classes[2:]) == [(False, True, True), (True, True, True)]  # sequences of one block
+    assert max(b.max_seqlen for b in batches) == min(300, max_length)
     assert all(int(b.input_ids.max()) < 50 for b in batches)
-    assert max(dry_batches(vocab_size=50, max_length=100)[0].sequence_lengths) == 100
 
 
 class RecordingWorkers:
