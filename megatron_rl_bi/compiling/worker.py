@@ -10,10 +10,12 @@ Jobs (models/compile_ahead.py writes them):
   run's call had one), so FlashAttention-4 compiles them into its disk cache (on in the package).
 """
 
+import ctypes
 import importlib
 import importlib.util
 import json
 import os
+import signal
 import sys
 import time
 
@@ -116,14 +118,28 @@ def compile_flash_attention(job: dict) -> None:
 
 
 COMPILERS = {"triton": compile_triton, "flash_attention": compile_flash_attention}
+END = "end"  # the job that ends the worker (CompileWorkers.close)
+PR_SET_PDEATHSIG = 1
+
+
+def end_with_the_run(run_pid: int) -> None:
+    """Killed when the run ends, however it ends (Linux's PR_SET_PDEATHSIG): the end of its input
+    does not come while a process the run forked (megatron-core's save-results Manager) keeps a
+    copy of the pipe."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != run_pid:  # the run ended before the line above
+        sys.exit(0)
 
 
 def main() -> None:
+    end_with_the_run(int(sys.argv[1]))
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # what the compilers print goes to stderr: stdout carries the answers only
     import_kernel_modules()
     for line in sys.stdin:
         job = json.loads(line)
+        if job["kind"] == END:
+            break
         started = time.perf_counter()
         answer = {"name": job["name"]}
         try:

@@ -9,8 +9,8 @@ them to the same disk caches, from which the run then loads them.
 
 Standard library only: pretrain_rl.py starts the workers before its own imports, which theirs
 (torch, Triton, FlashAttention-4: seconds) overlap. A worker takes one job at a time and asks for
-the next, so a long compilation does not hold others back. The workers read their jobs from a
-pipe: when the run ends, however it ends, they read its end and exit.
+the next, so a long compilation does not hold others back; it ends at the end job, and when the
+run ends, however it ends.
 """
 
 import json
@@ -41,7 +41,7 @@ class CompileWorkers:
     job and takes no other: the run compiles what is left itself."""
 
     def __init__(self, count: int, environment: dict[str, str] | None = None):
-        self.processes = [subprocess.Popen([sys.executable, "-m", "megatron_rl_bi.compiling.worker"],
+        self.processes = [subprocess.Popen([sys.executable, "-m", "megatron_rl_bi.compiling.worker", str(os.getpid())],
                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                                            env=environment) for _ in range(count)]
         self.selector = selectors.DefaultSelector()
@@ -98,9 +98,11 @@ class CompileWorkers:
                 "wall_s": time.perf_counter() - started}
 
     def close(self) -> None:
-        """End the workers (their input closed; killed after 10 s)."""
+        """End the workers: the end job sent (the end of their input does not come while a process
+        this one forked keeps the pipe), killed after 10 s."""
         for process in self.processes:
             try:
+                process.stdin.write(json.dumps({"kind": "end"}) + "\n")
                 process.stdin.close()
             except BrokenPipeError:
                 pass  # a worker that died

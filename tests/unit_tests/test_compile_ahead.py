@@ -5,9 +5,11 @@ of their own without Triton's interpreter (the CPU tests' conftest turns it on).
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -213,6 +215,54 @@ def test_sending_puts_back_the_hook_and_the_cores_after_an_error():
 
 def test_the_worker_module_runs_alone():
     """`python -m megatron_rl_bi.compiling.worker` ends at its input's end, answering nothing."""
-    done = subprocess.run([sys.executable, "-m", "megatron_rl_bi.compiling.worker"], input="", capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "megatron_rl_bi.compiling.worker", str(os.getpid())], input="",
+                          capture_output=True,
                           text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
     assert done.returncode == 0 and done.stdout == ""
+
+
+def test_close_ends_the_workers_while_a_forked_process_keeps_their_input_open():
+    """pretrain_rl forks megatron-core's save-results Manager after the workers start: it holds a
+    copy of their pipes, so the end of their input never came (80 s of waits per run on an H100)."""
+    workers = compile_workers.CompileWorkers(2)
+    holder = os.fork()
+    if holder == 0:
+        time.sleep(60)
+        os._exit(0)
+    try:
+        started = time.perf_counter()
+        workers.close()
+        assert time.perf_counter() - started < 9  # none waited for 10 s and was killed
+        assert [process.returncode for process in workers.processes] == [0, 0]
+    finally:
+        os.kill(holder, signal.SIGKILL)
+        os.waitpid(holder, 0)
+
+
+RUN_THAT_DIES = textwrap.dedent("""
+    import os
+    from megatron_rl_bi.compiling.workers import CompileWorkers
+    import time
+    workers = CompileWorkers(1)
+    holder = os.fork()  # keeps the workers' input open, as the save-results Manager does
+    if holder == 0:
+        time.sleep(30)
+        os._exit(0)
+    print(workers.processes[0].pid, holder, flush=True)
+    os._exit(3)  # no close: a crash
+""")
+
+
+def test_the_workers_end_with_the_run_however_it_ends():
+    done = subprocess.run([sys.executable, "-c", RUN_THAT_DIES], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    worker, holder = map(int, done.stdout.split())
+    try:
+        for _ in range(100):
+            if not os.path.exists(f"/proc/{worker}") or " Z " in open(f"/proc/{worker}/stat").read():
+                return
+            time.sleep(0.1)
+        os.kill(worker, signal.SIGKILL)
+        raise AssertionError("the worker outlived its run by 10 s")
+    finally:
+        os.kill(holder, signal.SIGKILL)
