@@ -32,6 +32,10 @@ def commit_source_hash(commit: str, repo: pathlib.Path = REPO) -> str:
         return source_hash(pathlib.Path(tmp, "tree"))
 
 
+def in_repository(commit: str, repo: pathlib.Path = REPO) -> bool:
+    return subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=repo, capture_output=True).returncode == 0
+
+
 def stamp_problems(path: str, repo: pathlib.Path = REPO) -> list[str]:
     """Why each stamp of result file `path` does not tie it to a clean commit's code (the
     checkout's commit, or the declared one where the tree had no `.git`)."""
@@ -42,6 +46,9 @@ def stamp_problems(path: str, repo: pathlib.Path = REPO) -> list[str]:
             problems.append(f"{path}: stamp of {commit} has no source_hash")
         elif commit == "unknown" or commit.endswith("-dirty"):
             problems.append(f"{path}: written from {commit}, not a clean commit")
+        elif not in_repository(commit, repo):
+            problems.append(f"{path}: its commit {commit[:12]} is not in this repository (a branch that did not "
+                            "land): its stamp cannot be checked")
         elif stamped != (actual := commit_source_hash(commit, repo)):
             problems.append(f"{path}: source_hash {stamped[:12]} is not {commit[:12]}'s ({actual[:12]})")
     return problems
