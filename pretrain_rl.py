@@ -28,6 +28,7 @@ from megatron_rl_bi import bi
 from megatron_rl_bi.bridge import Bridge, Roles, bridge_address, join_world, roles_from_environment
 from megatron_rl_bi.checkpoints.hf import HFModel, check_hf_weights, read_hf_model
 from megatron_rl_bi.checkpoints.megatron import latest_checkpoint, read_rl_state, start_save_results_queue
+from megatron_rl_bi.compiling.workers import CompileWorkers
 from megatron_rl_bi.config import installed_kernel_problem, parse_rl_args, print_arguments
 from megatron_rl_bi.config.from_args import (
     build_policy,
@@ -64,7 +65,6 @@ from megatron_rl_bi.memory import (
     parameter_count,
     plan_memory,
 )
-from megatron_rl_bi.compiling.workers import CompileWorkers
 from megatron_rl_bi.models.build import build_model
 from megatron_rl_bi.models.compile_ahead import compile_ahead, compile_ahead_problem
 from megatron_rl_bi.optimizer import build_ddp_and_optimizer, build_lr_scheduler
@@ -300,8 +300,9 @@ def compile_kernels_ahead(args: argparse.Namespace, ddp, workers: CompileWorkers
             workers.close()
     if outcome is not None:
         failed = f", the first: {outcome['failed'][0]}" if outcome["failed"] else ""
-        print(f"compile ahead: {outcome['jobs']} kernels in {len(workers.processes)} processes, "
-              f"{len(outcome['failed'])} failed{failed}; waited {outcome['wall_s']:.1f} s", flush=True)
+        print(f"compile ahead: {outcome['jobs']} kernels in {len(workers.processes)} processes "
+              f"({outcome['compile_s']:.1f} s of compiling), {len(outcome['failed'])} failed{failed}; "
+              f"waited {outcome['wall_s']:.1f} s", flush=True)
     return time.perf_counter() - started
 
 
@@ -354,7 +355,8 @@ def main(argv: list[str] | None = None, compile_workers: CompileWorkers | None =
         report_to_torchrun(f"pretrain_rl.py: error: {exc}")
         raise SystemExit(f"pretrain_rl.py: error: {exc}") from None
     print_arguments(inputs.args)
-    if compile_workers is not None and (inputs.roles.is_generator or not compiling_ahead(inputs.args)):
+    unused = inputs.args.launch_check or inputs.roles.is_generator or not compiling_ahead(inputs.args)
+    if compile_workers is not None and unused:
         compile_workers.close()
         compile_workers = None
     if inputs.args.launch_check:

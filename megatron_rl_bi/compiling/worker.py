@@ -25,6 +25,8 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction, convert_to_tuple_if_list
 
+from megatron_rl_bi.compiling.workers import END
+
 # What holds the kernels the jobs name (the package's model code imports its BI kernels, fla's and
 # megatron-core's) and FlashAttention-4: seconds of imports, made before the first job, while the
 # run makes its own.
@@ -118,7 +120,6 @@ def compile_flash_attention(job: dict) -> None:
 
 
 COMPILERS = {"triton": compile_triton, "flash_attention": compile_flash_attention}
-END = "end"  # the job that ends the worker (CompileWorkers.close)
 PR_SET_PDEATHSIG = 1
 
 

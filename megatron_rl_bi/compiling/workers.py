@@ -22,6 +22,7 @@ import time
 
 WORKERS_FLAG = "--rl-compile-ahead-workers"
 DEFAULT_WORKERS = 8
+END = "end"  # the kind of the job that ends a worker
 
 
 def workers_on_command_line(argv: list[str]) -> int:
@@ -40,10 +41,10 @@ class CompileWorkers:
     at a time each; `wait` collects the outcome of every job sent. A worker that dies fails its
     job and takes no other: the run compiles what is left itself."""
 
-    def __init__(self, count: int, environment: dict[str, str] | None = None):
+    def __init__(self, count: int):
         self.processes = [subprocess.Popen([sys.executable, "-m", "megatron_rl_bi.compiling.worker", str(os.getpid())],
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                                           env=environment) for _ in range(count)]
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+                          for _ in range(count)]
         self.selector = selectors.DefaultSelector()
         self.current: dict[subprocess.Popen, dict | None] = {process: None for process in self.processes}
         for process in self.processes:
@@ -102,7 +103,7 @@ class CompileWorkers:
         this one forked keeps the pipe), killed after 10 s."""
         for process in self.processes:
             try:
-                process.stdin.write(json.dumps({"kind": "end"}) + "\n")
+                process.stdin.write(json.dumps({"kind": END}) + "\n")
                 process.stdin.close()
             except BrokenPipeError:
                 pass  # a worker that died
