@@ -34,11 +34,12 @@ DRY_SHAPES = ((5, 300, 5), (5, 300, 0), (16, 8, 5), (16, 8, 0))
 
 
 def dry_lengths(sequences: int, longest: int, residue: int, max_length: int) -> list[int]:
-    """`sequences` lengths: the first `longest` (at most `max_length`), the others 8 tokens and
-    the last grown by up to 15 to make the total `residue` modulo 16."""
+    """`sequences` lengths: the first `longest`, the others 8 tokens and the last grown by up to
+    15 to make the total `residue` modulo 16; none over `max_length` (a position past the model's
+    table would stop the GPU), the residue then as it comes."""
     lengths = [min(longest, max_length)] + [8] * (sequences - 1)
     lengths[-1] += (residue - sum(lengths)) % 16
-    return lengths
+    return [min(length, max_length) for length in lengths]
 
 
 def dry_batches(vocab_size: int, max_length: int) -> list[PackedBatch]:

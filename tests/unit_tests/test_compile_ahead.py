@@ -163,6 +163,10 @@ def test_the_pass_batches_meet_each_class_in_each_pairing(max_length):
     assert all(int(b.input_ids.max()) < 50 for b in batches)
 
 
+def test_no_pass_sequence_is_longer_than_the_model_takes():
+    assert max(b.max_seqlen for b in dry_batches(vocab_size=50, max_length=12)) == 12
+
+
 class RecordingWorkers:
     def __init__(self):
         self.jobs = []
