@@ -229,6 +229,9 @@ def test_close_ends_the_workers_while_a_forked_process_keeps_their_input_open():
     """pretrain_rl forks megatron-core's save-results Manager after the workers start: it holds a
     copy of their pipes, so the end of their input never came (80 s of waits per run on an H100)."""
     workers = compile_workers.CompileWorkers(2)
+    for name in ("first", "second"):  # each worker past its imports, as at a run's close
+        workers.submit({"kind": "unknown", "name": name})
+    workers.wait(timeout=300)
     holder = os.fork()
     if holder == 0:
         time.sleep(60)
@@ -236,7 +239,7 @@ def test_close_ends_the_workers_while_a_forked_process_keeps_their_input_open():
     try:
         started = time.perf_counter()
         workers.close()
-        assert time.perf_counter() - started < 9  # none waited for 10 s and was killed
+        assert time.perf_counter() - started < 5  # none waited for 10 s and was killed
         assert [process.returncode for process in workers.processes] == [0, 0]
     finally:
         os.kill(holder, signal.SIGKILL)
