@@ -10,13 +10,17 @@ Jobs (models/compile_ahead.py writes them):
   run's call had one), so FlashAttention-4 compiles them into its disk cache (on in the package).
 """
 
-import ctypes
+import sys
+
+from megatron_rl_bi.compiling.workers import END, end_with_the_run
+
+if __name__ == "__main__":  # first: the imports below take seconds, and the run may end meanwhile
+    end_with_the_run(int(sys.argv[1]))
+
 import importlib
 import importlib.util
 import json
 import os
-import signal
-import sys
 import time
 
 import torch
@@ -24,8 +28,6 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction, convert_to_tuple_if_list
-
-from megatron_rl_bi.compiling.workers import END
 
 # What holds the kernels the jobs name (the package's model code imports its BI kernels, fla's and
 # megatron-core's) and FlashAttention-4: seconds of imports, made before the first job, while the
@@ -120,20 +122,9 @@ def compile_flash_attention(job: dict) -> None:
 
 
 COMPILERS = {"triton": compile_triton, "flash_attention": compile_flash_attention}
-PR_SET_PDEATHSIG = 1
-
-
-def end_with_the_run(run_pid: int) -> None:
-    """Killed when the run ends, however it ends (Linux's PR_SET_PDEATHSIG): the end of its input
-    does not come while a process the run forked (megatron-core's save-results Manager) keeps a
-    copy of the pipe."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != run_pid:  # the run ended before the line above
-        sys.exit(0)
 
 
 def main() -> None:
-    end_with_the_run(int(sys.argv[1]))
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # what the compilers print goes to stderr: stdout carries the answers only
     import_kernel_modules()

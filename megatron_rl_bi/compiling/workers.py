@@ -13,9 +13,11 @@ the next, so a long compilation does not hold others back; it ends at the end jo
 run ends, however it ends.
 """
 
+import ctypes
 import json
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +25,16 @@ import time
 WORKERS_FLAG = "--rl-compile-ahead-workers"
 DEFAULT_WORKERS = 8
 END = "end"  # the kind of the job that ends a worker
+PR_SET_PDEATHSIG = 1
+
+
+def end_with_the_run(run_pid: int) -> None:
+    """In a worker: killed when the run ends, however it ends (Linux's PR_SET_PDEATHSIG); the end
+    of its input does not come while a process the run forked (megatron-core's save-results
+    Manager) keeps a copy of the pipe."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != run_pid:  # the run ended before the line above
+        sys.exit(0)
 
 
 def workers_on_command_line(argv: list[str]) -> int:
