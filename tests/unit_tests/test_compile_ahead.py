@@ -251,8 +251,13 @@ RUN_THAT_DIES = textwrap.dedent("""
     from megatron_rl_bi.compiling.workers import CompileWorkers
     import time
     workers = CompileWorkers(1)
+    workers.submit({"kind": "unknown", "name": "first"})
+    workers.wait(timeout=300)  # the worker running, past its start
     holder = os.fork()  # keeps the workers' input open, as the save-results Manager does
     if holder == 0:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)  # not the test's pipes, which its wait for this process reads to their end
+        os.dup2(null, 2)
         time.sleep(30)
         os._exit(0)
     print(workers.processes[0].pid, holder, flush=True)
