@@ -3,6 +3,7 @@
 Triton's own launch path with a driver that names the target and has no device, in a process
 of their own without Triton's interpreter (the CPU tests' conftest turns it on)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -278,3 +279,76 @@ def test_the_workers_end_with_the_run_however_it_ends():
         raise AssertionError("the worker outlived its run by 10 s")
     finally:
         os.kill(holder, signal.SIGKILL)
+
+
+class FakeDDP(torch.nn.Module):
+    """What the pass asks of megatron-core's DDP, with a weight whose gradient lands in a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(3))
+        self.calls = []
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.calls.append("no_sync")
+        yield
+
+    def zero_grad_buffer(self):
+        self.calls.append("zero_grad_buffer")
+        self.weight.grad = None
+
+
+@pytest.fixture
+def cpu_pass(monkeypatch):
+    """compile_ahead on the CPU: torch's CPU generator stands in for the CUDA one and the tracker's."""
+    from megatron_rl_bi.models import compile_ahead as module
+
+    tracker = type("Tracker", (), {"states": {"model-parallel": 7}})()
+    tracker.get_states = lambda: dict(tracker.states)
+    tracker.set_states = lambda states: setattr(tracker, "states", states)
+    monkeypatch.setattr(module, "get_cuda_rng_tracker", lambda: tracker)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.get_rng_state())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: None)
+    driver = type("Driver", (), {"get_current_target": lambda self: TARGET})()
+    monkeypatch.setattr(module, "driver", type("Drivers", (), {"active": driver})())
+    return module, tracker
+
+
+TARGET = type("Target", (), {"backend": "cuda", "arch": 90, "warp_size": 32})
+
+
+def test_the_pass_leaves_no_trace(cpu_pass, monkeypatch):
+    module, tracker = cpu_pass
+    ddp, seen = FakeDDP(), []
+
+    def forward(model, batch):  # draws from the generators, as a model with dropout would
+        seen.append((batch.input_ids.numel(), torch.rand(1).item(), module.autotune._keep_picks))
+        tracker.states = {"model-parallel": 8}
+        return (model.weight * batch.input_ids.numel()).sum().unsqueeze(0), None
+    monkeypatch.setattr(module, "forward_logprobs", forward)
+    rng = torch.get_rng_state()
+    workers = type("Workers", (), {"wait": lambda self: {"jobs": 0}, "submit": lambda self, job: None})()
+    assert module.compile_ahead(ddp, workers, vocab_size=50, max_length=64) == {"jobs": 0}
+    assert len(seen) == 4 and not any(keep for _, _, keep in seen)  # autotuners kept nothing meanwhile
+    assert torch.equal(torch.get_rng_state(), rng) and tracker.states == {"model-parallel": 7}
+    assert ddp.calls == ["no_sync", "zero_grad_buffer"] and ddp.weight.grad is None
+    assert module.autotune._keep_picks
+
+
+def test_a_pass_that_fails_still_zeroes_the_gradients_and_puts_everything_back(cpu_pass, monkeypatch):
+    from triton import knobs
+
+    module, tracker = cpu_pass
+    ddp, hook = FakeDDP(), knobs.runtime.jit_cache_hook
+
+    def forward(model, batch):
+        model.weight.sum().backward()
+        raise RuntimeError("a kernel the pass could not take")
+    monkeypatch.setattr(module, "forward_logprobs", forward)
+    with pytest.raises(RuntimeError, match="could not take"):
+        module.compile_ahead(ddp, None, vocab_size=50, max_length=64)
+    assert ddp.calls == ["no_sync", "zero_grad_buffer"] and ddp.weight.grad is None
+    assert knobs.runtime.jit_cache_hook is hook and module.autotune._keep_picks
