@@ -17,6 +17,7 @@ from megatron_rl_bi.compiling.workers import END, end_with_the_run
 if __name__ == "__main__":  # first: the imports below take seconds, and the run may end meanwhile
     end_with_the_run(int(sys.argv[1]))
 
+import functools
 import importlib
 import importlib.util
 import json
@@ -48,19 +49,14 @@ def _named(full_name: str):
     """The object `module.qualname` (or `module:qualname`) names."""
     if ":" in full_name:
         module_name, qualname = full_name.split(":", 1)
-        obj = importlib.import_module(module_name)
-        for attr in qualname.split("."):
-            obj = getattr(obj, attr)
-        return obj
+        return functools.reduce(getattr, qualname.split("."), importlib.import_module(module_name))
     parts = full_name.split(".")
     for split in range(len(parts) - 1, 0, -1):
         try:
-            obj = importlib.import_module(".".join(parts[:split]))
+            module = importlib.import_module(".".join(parts[:split]))
         except ModuleNotFoundError:
             continue
-        for attr in parts[split:]:
-            obj = getattr(obj, attr)
-        return obj
+        return functools.reduce(getattr, parts[split:], module)
     raise ModuleNotFoundError(f"no module holds {full_name}")
 
 

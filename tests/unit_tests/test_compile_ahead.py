@@ -14,11 +14,14 @@ import time
 
 import pytest
 import torch
+from triton.backends.compiler import GPUTarget
 
 from megatron_rl_bi.compiling import workers as compile_workers
 from megatron_rl_bi.models.compile_ahead import KernelSender, dry_batches, sending
 from tests import REPO
 from tests.sm90_spills import compiling_environment
+
+TARGET = GPUTarget("cuda", 90, 32)  # an H100's, as the run's driver names it
 
 KERNELS = textwrap.dedent("""
     import triton
@@ -186,7 +189,7 @@ class Core:
 
 def test_a_flash_attention_call_is_sent_once_with_its_shapes_and_answered_with_empty_tensors():
     workers = RecordingWorkers()
-    sender = KernelSender(workers, type("Target", (), {"backend": "cuda", "arch": 90, "warp_size": 32}))
+    sender = KernelSender(workers, TARGET)
     q = torch.randn(12, 4, 8, requires_grad=True)
     kv = torch.randn(12, 16, 2).transpose(1, 2).requires_grad_()  # [12, 2, 16], not contiguous
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
@@ -211,7 +214,7 @@ def test_sending_puts_back_the_hook_and_the_cores_after_an_error():
     from triton import knobs
 
     before, core = knobs.runtime.jit_cache_hook, Core()
-    sender = KernelSender(None, type("Target", (), {"backend": "cuda", "arch": 90, "warp_size": 32}))
+    sender = KernelSender(None, TARGET)
     with pytest.raises(RuntimeError), sending([core], sender):
         assert knobs.runtime.jit_cache_hook == sender.triton_launch
         raise RuntimeError
@@ -315,9 +318,6 @@ def cpu_pass(monkeypatch):
     driver = type("Driver", (), {"get_current_target": lambda self: TARGET})()
     monkeypatch.setattr(module, "driver", type("Drivers", (), {"active": driver})())
     return module, tracker
-
-
-TARGET = type("Target", (), {"backend": "cuda", "arch": 90, "warp_size": 32})
 
 
 def test_the_pass_leaves_no_trace(cpu_pass, monkeypatch):
