@@ -280,10 +280,12 @@ def compiling_ahead(args: argparse.Namespace) -> bool:
     return args.batch_invariant_mode and args.rl_compile_ahead_workers > 0
 
 
-def compile_kernels_ahead(args: argparse.Namespace, ddp, workers: CompileWorkers | None, vocab_size: int) -> float:
-    """The trainer's kernels compiled by the workers before its first step (models/compile_ahead.py),
-    then the workers ended; the seconds it took. A failure is printed and leaves the kernels to the
-    first step."""
+def compile_kernels_ahead(args: argparse.Namespace, ddp, workers: CompileWorkers | None, vocab_size: int,
+                          engine: EngineConfig | None) -> float:
+    """The trainer's kernels, and the attention of the `engine` on its module (None: generators
+    apart), compiled by the workers before the first step (models/compile_ahead.py), then the
+    workers ended; the seconds it took. A failure is printed and leaves the kernels to the first
+    step."""
     if not compiling_ahead(args):
         return 0.0
     started, outcome = time.perf_counter(), None
@@ -292,7 +294,8 @@ def compile_kernels_ahead(args: argparse.Namespace, ddp, workers: CompileWorkers
             if workers is not None:
                 print(f"compile ahead: off ({problem}): the first step compiles the kernels", flush=True)
         else:
-            outcome = compile_ahead(ddp, workers, vocab_size, args.seq_length)
+            engine_pages = (engine.block_size_tokens, engine.max_sequence_length) if engine else None
+            outcome = compile_ahead(ddp, workers, vocab_size, args.seq_length, engine_pages)
     except Exception as exc:  # an optimization: the run goes on and compiles in its first step
         print(f"compile ahead: failed ({type(exc).__name__}: {exc}): the first step compiles the kernels", flush=True)
     finally:
@@ -300,8 +303,10 @@ def compile_kernels_ahead(args: argparse.Namespace, ddp, workers: CompileWorkers
             workers.close()
     if outcome is not None:
         failed = f", the first: {outcome['failed'][0]}" if outcome["failed"] else ""
+        longest = f", the longest {outcome['longest']['seconds']:.1f} s: {outcome['longest']['name']}" \
+            if outcome["longest"] else ""
         print(f"compile ahead: {outcome['jobs']} kernels in {len(workers.processes)} processes "
-              f"({outcome['compile_s']:.1f} s of compiling), {len(outcome['failed'])} failed{failed}; "
+              f"({outcome['compile_s']:.1f} s of compiling{longest}), {len(outcome['failed'])} failed{failed}; "
               f"waited {outcome['wall_s']:.1f} s", flush=True)
     return time.perf_counter() - started
 
@@ -317,7 +322,8 @@ def train(inputs: RunInputs, bridge: Bridge | None, started: float, workers: Com
         lr_scheduler = build_lr_scheduler(args, optimizer)
         reference = build_reference_model(args, model) if args.grpo_kl_beta > 0 else None
         model_built = time.perf_counter()
-        compile_ahead_s = compile_kernels_ahead(args, ddp, workers, inputs.vocab_size)
+        compile_ahead_s = compile_kernels_ahead(args, ddp, workers, inputs.vocab_size,
+                                                inputs.engine_config if bridge is None else None)
         generator, compiled = None, time.perf_counter()
         if bridge is None:
             try:

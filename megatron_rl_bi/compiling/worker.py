@@ -6,8 +6,9 @@ Jobs (models/compile_ahead.py writes them):
 - "triton": a launch's serialized specialization (what Triton's `jit_cache_hook` is given) and
   the run's GPU target; compiled as the launch would have been, for that target, without a GPU.
 - "flash_attention": a FlashAttention-4 varlen call's tensors (shape, strides, dtype), integer
-  tensors' values and keywords; made on this process's GPU and called (its backward too when the
-  run's call had one), so FlashAttention-4 compiles them into its disk cache (on in the package).
+  tensors' values and keywords; made on this process's GPU and called, so FlashAttention-4
+  compiles its kernels into its disk cache (on in the package): the forward's ("part":
+  "forward"), or the backward's alone ("backward"), which another worker compiles meanwhile.
 """
 
 import sys
@@ -103,16 +104,33 @@ def _tensor(description: dict, requires_grad: bool) -> torch.Tensor:
     return tensor.normal_().requires_grad_(requires_grad)
 
 
-def compile_flash_attention(job: dict) -> None:
-    """Call FlashAttention-4's varlen function as the run did (and its backward): it compiles
-    each kernel it lacks and keeps it in its disk cache."""
-    from flash_attn.cute import flash_attn_varlen_func
+def _forward_skipped(q, k, v, *, cu_seqlens_q=None, **_):
+    """Stands in for FlashAttention-4's forward kernel call (`interface._flash_attn_fwd` of
+    4.0.0b36, which returns out, lse, p, row_max, o_lo) in a backward job: an output and a
+    log-sum-exp of the shapes it gives (lse [heads, tokens] for packed sequences), random, so the
+    backward's kernels compile and the forward's do not."""
+    out = torch.randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
+    return out, torch.randn(lse_shape, dtype=torch.float32, device=q.device), None, None, None
 
-    q, k, v = (_tensor(job["tensors"][name], job["backward"]) for name in ("q", "k", "v"))
+
+def compile_flash_attention(job: dict) -> None:
+    """Call FlashAttention-4's varlen function as the run did, with its tensors' gradients (they
+    choose the forward's kernel): the forward part, or the backward part with the forward's kernel
+    call skipped. Each compiles the kernels it lacks and keeps them in its disk cache."""
+    from flash_attn.cute import flash_attn_varlen_func, interface
+
+    q, k, v = (_tensor(job["tensors"][name], job["grad"]) for name in ("q", "k", "v"))
     kwargs = {name: _tensor(value, False) if isinstance(value, dict) else value
               for name, value in job["kwargs"].items()}
-    out = flash_attn_varlen_func(q, k, v, **kwargs)[0]
-    if job["backward"]:
+    if job["part"] == "forward":
+        flash_attn_varlen_func(q, k, v, **kwargs)
+    else:
+        forward_kernel, interface._flash_attn_fwd = interface._flash_attn_fwd, _forward_skipped
+        try:
+            out = flash_attn_varlen_func(q, k, v, **kwargs)[0]
+        finally:
+            interface._flash_attn_fwd = forward_kernel
         out.backward(torch.ones_like(out))
     torch.cuda.synchronize()
 

@@ -11,6 +11,11 @@ Standard library only: pretrain_rl.py starts the workers before its own imports,
 (torch, Triton, FlashAttention-4: seconds) overlap. A worker takes one job at a time and asks for
 the next, so a long compilation does not hold others back; it ends at the end job, and when the
 run ends, however it ends.
+
+Two marks a job may carry shape the order: "first" (a long job, FlashAttention-4's: queued ahead
+of the others, so the longest start earliest) and "one_at_a_time" (a class: jobs of one class never
+run side by side, so the later ones of a class that compiles one kernel load it from the disk
+cache instead of compiling it again each on a core of its own).
 """
 
 import ctypes
@@ -66,17 +71,30 @@ class CompileWorkers:
         self.results: list[dict] = []
 
     def submit(self, job: dict) -> None:
-        """Queue `job`; it goes to the first worker free."""
-        self.queued.append(job)
+        """Queue `job` (after the jobs marked "first" when it is one, else last); it goes to the
+        first worker free."""
+        position = len(self.queued)
+        if job.get("first"):
+            position = next((i for i, queued in enumerate(self.queued) if not queued.get("first")), position)
+        self.queued.insert(position, job)
         self._collect(timeout=0)
         self._dispatch()
 
+    def _next_job(self, running_classes: set) -> dict | None:
+        """The first queued job whose "one_at_a_time" class has no job running, taken off the queue."""
+        for index, job in enumerate(self.queued):
+            if job.get("one_at_a_time") is None or job["one_at_a_time"] not in running_classes:
+                return self.queued.pop(index)
+        return None
+
     def _dispatch(self) -> None:
-        for process, job in self.current.items():
-            if job is None and self.queued:
-                self.current[process] = self.queued.pop(0)
+        running_classes = {job.get("one_at_a_time") for job in self.current.values() if job is not None}
+        for process, held in self.current.items():
+            if held is None and (job := self._next_job(running_classes)) is not None:
+                running_classes.add(job.get("one_at_a_time"))
+                self.current[process] = job
                 try:
-                    process.stdin.write(json.dumps(self.current[process]) + "\n")
+                    process.stdin.write(json.dumps(job) + "\n")
                 except BrokenPipeError:
                     pass  # its end is read by _collect
 
@@ -95,7 +113,8 @@ class CompileWorkers:
 
     def wait(self, timeout: float = 900.0) -> dict:
         """Every job's outcome: {"jobs", "failed" (their messages), "compile_s" (the workers'
-        seconds, summed), "wall_s" (this wait)}. Raises TimeoutError after `timeout` s."""
+        seconds, summed), "longest" (the name and seconds of the longest job, or None), "wall_s"
+        (this wait)}. Raises TimeoutError after `timeout` s."""
         started = time.perf_counter()
         while self.queued or any(job is not None for job in self.current.values()):
             if not self.current:
@@ -107,7 +126,9 @@ class CompileWorkers:
             self._collect(timeout=1.0)
             self._dispatch()
         failed = [r["error"] for r in self.results if "error" in r]
+        longest = max((r for r in self.results if "name" in r), key=lambda r: r["seconds"], default=None)
         return {"jobs": len(self.results), "failed": failed, "compile_s": sum(r["seconds"] for r in self.results),
+                "longest": longest and {"name": longest["name"], "seconds": longest["seconds"]},
                 "wall_s": time.perf_counter() - started}
 
     def close(self) -> None:

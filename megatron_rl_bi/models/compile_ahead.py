@@ -13,10 +13,12 @@ default mode it would time launches that do not run.
 """
 
 import contextlib
+import itertools
 import json
 
 import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.transformer import attention as megatron_attention
 from megatron.core.utils import unwrap_model
 from triton import knobs
 from triton.runtime import driver
@@ -70,16 +72,38 @@ class KernelSender:
         return True
 
     def flash_attention(self, q, k, v, **kwargs) -> torch.Tensor:
-        """A FlashAttention-4 varlen call sent (with its backward when it has one); an empty output."""
-        def described(t):
-            if t.dtype in (torch.int32, torch.int64):
-                return {"values": t.tolist(), "dtype": str(t.dtype).removeprefix("torch.")}
-            return {"shape": list(t.shape), "stride": list(t.stride()), "dtype": str(t.dtype).removeprefix("torch.")}
-        self.send({"kind": "flash_attention", "name": f"flash_attn.cute varlen q{list(q.shape)} k{list(k.shape)}",
-                   "tensors": {"q": described(q), "k": described(k), "v": described(v)},
-                   "kwargs": {n: described(x) if torch.is_tensor(x) else x for n, x in kwargs.items()},
-                   "backward": torch.is_grad_enabled() and q.requires_grad})
+        """A FlashAttention-4 varlen call sent: its forward, and its backward as a job of its own
+        when it has one; an empty output. The jobs go before the Triton ones (they are the
+        longest), and those of one class (the same but for the token counts) one at a time."""
+        grad = torch.is_grad_enabled() and q.requires_grad
+        tensors, kwargs = {"q": _described(q), "k": _described(k), "v": _described(v)}, {
+            name: _described(x) if torch.is_tensor(x) else x for name, x in kwargs.items()}
+        for part in ("forward", "backward") if grad else ("forward",):
+            self.send({"kind": "flash_attention", "part": part, "grad": grad,
+                       "name": f"flash_attn.cute varlen {part} q{list(q.shape)} k{list(k.shape)}",
+                       "tensors": tensors, "kwargs": kwargs, "first": True,
+                       "one_at_a_time": _attention_class(part, grad, tensors, kwargs)})
         return _SkippedAttention.apply(q, k, v)
+
+
+def _described(t: torch.Tensor) -> dict:
+    """A tensor as a job gives it: integers by value, others by shape, strides and dtype."""
+    if t.dtype in (torch.int32, torch.int64):
+        return {"values": t.tolist(), "dtype": str(t.dtype).removeprefix("torch.")}
+    return {"shape": list(t.shape), "stride": list(t.stride()), "dtype": str(t.dtype).removeprefix("torch.")}
+
+
+def _attention_class(part: str, grad: bool, tensors: dict, kwargs: dict) -> str:
+    """What a FlashAttention-4 job is but for its token and sequence counts: the calls of one
+    class mostly compile one kernel (the others then load it)."""
+    def shapeless(description):
+        if not isinstance(description, dict):
+            return description
+        if "values" in description:
+            return {"dtype": description["dtype"]}
+        return {**description, "shape": description["shape"][1:], "stride": description["stride"][1:]}
+    return json.dumps([part, grad, {n: shapeless(t) for n, t in tensors.items()},
+                       {n: shapeless(x) for n, x in kwargs.items()}], sort_keys=True)
 
 
 class _SkippedAttention(torch.autograd.Function):
@@ -93,6 +117,47 @@ class _SkippedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
+
+
+def engine_steps(max_length: int) -> tuple:
+    """The engine's steps whose attention the pass sends: (query lengths, key lengths, decode
+    only) of a prefill of a long and a short prompt, of two short ones, and of a decode step; none
+    longer than the engine's `max_length`."""
+    long = min(300, max_length - 1)
+    return (((long, 8), (long, 8), False), ((8, 8), (8, 8), False), ((1, 1), (long + 1, 9), True))
+
+
+def send_engine_attention(model: torch.nn.Module, sender: KernelSender, block_size: int, max_length: int) -> None:
+    """The engine's FlashAttention-4 calls, which the trainer never makes, sent: megatron-core's
+    `Attention.flash_decode_and_prefill` of each attention layer, in eval mode, over a made-up
+    KV cache of the engine's pages (`block_size` tokens; a block table as wide as a request of
+    `max_length` tokens needs), its FlashAttention-4 call sent instead of run."""
+    width, device = -(-max_length // block_size), torch.cuda.current_device()
+    layers = [m for m in unwrap_model(model).modules()
+              if isinstance(m, megatron_attention.Attention) and m.flash_attention_version == 4]
+    replaced = megatron_attention.flash_attn4_varlen_func
+    megatron_attention.flash_attn4_varlen_func = lambda q, k, v, **kwargs: (sender.flash_attention(q, k, v, **kwargs), None)
+    try:
+        for layer in layers:
+            training, heads = layer.training, layer.num_attention_heads_per_partition
+            shape = (layer.num_query_groups_per_partition, layer.hidden_size_per_attention_head)
+            dtype = layer.config.params_dtype
+            layer.eval()
+            try:
+                for query_lengths, key_lengths, decode_only in engine_steps(max_length):
+                    requests = len(query_lengths)
+                    q = torch.empty(sum(query_lengths), 1, heads, shape[1], dtype=dtype, device=device)
+                    k, v = (torch.empty(requests * width, block_size, *shape, dtype=dtype, device=device) for _ in "kv")
+                    lengths = [torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=device)
+                               for n in (query_lengths, key_lengths)]
+                    table = torch.arange(requests * width, dtype=torch.int32, device=device).view(requests, width)
+                    with torch.no_grad():
+                        layer.flash_decode_and_prefill(q, k, v, max(query_lengths), max(key_lengths), lengths[0],
+                                                       lengths[1], lengths[1].diff(), table, decode_only)
+            finally:
+                layer.train(training)
+    finally:
+        megatron_attention.flash_attn4_varlen_func = replaced
 
 
 def flash_attention_4_cores(model: torch.nn.Module) -> list[FlashCoreAttention]:
@@ -125,14 +190,19 @@ def _rng_kept():
         get_cuda_rng_tracker().set_states(tracker)
 
 
-def compile_ahead(ddp, workers, vocab_size: int, max_length: int) -> dict | None:
+def compile_ahead(ddp, workers, vocab_size: int, max_length: int, engine_pages: tuple[int, int] | None = None
+                  ) -> dict | None:
     """Every rank runs the pass (its collectives meet); `workers` (this node's first rank's, else
-    None) compile what it sends. Returns the workers' outcome (compiling.workers.CompileWorkers.wait),
-    None without workers, after every rank has waited for it."""
+    None) compile what it sends: the engine's attention first when it runs in this process
+    (`engine_pages`: its KV block size and longest request), then the trainer's kernels. Returns
+    the workers' outcome (compiling.workers.CompileWorkers.wait), None without workers, after
+    every rank has waited for it."""
     sender = KernelSender(workers, driver.active.get_current_target())
     ddp.train()
     try:
         with _rng_kept(), autotune.picks_not_kept(), sending(flash_attention_4_cores(ddp), sender), ddp.no_sync():
+            if engine_pages is not None:
+                send_engine_attention(ddp, sender, *engine_pages)
             for batch in dry_batches(vocab_size, max_length):
                 logprobs, _ = forward_logprobs(ddp, batch.to(torch.cuda.current_device()))
                 logprobs.sum().backward()

@@ -1,7 +1,9 @@
 """Compile ahead on the GPU: after the pass (models/compile_ahead.py) and its workers, training
 forwards and backwards of other batches compile nothing themselves, Triton's kernels nor
-FlashAttention-4's: it loads them all from the disk caches the workers wrote. A process of its
-own with empty caches (a test process has compiled kernels in memory already)."""
+FlashAttention-4's: it loads them all from the disk caches the workers wrote; and the engine's
+generations (a prefill of a long prompt with short ones, of short ones alone, their decode steps)
+compile no FlashAttention-4 kernel. A process of its own with empty caches (a test process has
+compiled kernels in memory already)."""
 
 import json
 import os
@@ -21,6 +23,7 @@ SCRIPT = textwrap.dedent("""
     from megatron_rl_bi.compiling.workers import CompileWorkers
     from megatron_rl_bi.config import parse_args
     from megatron_rl_bi.distributed import initialize_distributed
+    from megatron_rl_bi.inference import EngineConfig, Generator, Sampling
     from megatron_rl_bi.models.compile_ahead import compile_ahead
     from megatron_rl_bi.models.logprobs import forward_logprobs
     from megatron_rl_bi.optimizer import build_ddp_and_optimizer
@@ -33,8 +36,9 @@ SCRIPT = textwrap.dedent("""
     initialize_distributed(seed=1234)
     model = build(TINY_HYBRID_ARGS, batch_invariant=True)
     ddp, _ = build_ddp_and_optimizer(parse_args(TINY_HYBRID_ARGS + ["--batch-invariant-mode", "--lr", "1e-5"]), model)
+    engine = EngineConfig(max_requests=8, max_tokens=2048, max_sequence_length=1024, buffer_size_gb=0.5)
     workers = CompileWorkers(4)
-    outcome = compile_ahead(ddp, workers, VOCAB_SIZE, 1024)
+    outcome = compile_ahead(ddp, workers, VOCAB_SIZE, 1024, (engine.block_size_tokens, engine.max_sequence_length))
     workers.close()
     in_pass = tally.take()
     fa4_before = sorted(str(p) for p in fa4_cache.rglob("*.o"))
@@ -45,8 +49,13 @@ SCRIPT = textwrap.dedent("""
         logprobs, _ = forward_logprobs(ddp, batch.to(torch.cuda.current_device()))
         logprobs.sum().backward()
     torch.cuda.synchronize()
-    print(json.dumps({"outcome": outcome, "in_pass": in_pass, "step": tally.take(), "fa4_before": fa4_before,
-                      "fa4_after": sorted(str(p) for p in fa4_cache.rglob("*.o"))}))
+    step, fa4_after_step = tally.take(), sorted(str(p) for p in fa4_cache.rglob("*.o"))
+    generator = Generator(model, engine)
+    for prompts in ([[5] * 600, [7] * 5, [9] * 40], [[11] * 5, [13] * 12]):
+        generator.generate(prompts, Sampling(max_new_tokens=4, seed=3))
+    print(json.dumps({"outcome": outcome, "in_pass": in_pass, "step": step, "fa4_before": fa4_before,
+                      "fa4_after": fa4_after_step, "generation": tally.take(),
+                      "fa4_after_generation": sorted(str(p) for p in fa4_cache.rglob("*.o"))}))
 """)
 
 
@@ -68,5 +77,7 @@ def test_after_the_pass_training_compiles_nothing_itself(tmp_path):
     assert result["step"]["time/triton_compiles"] == 0, result["step"]
     assert result["step"]["time/triton_cache_loads"] > 10
     assert result["fa4_before"] and result["fa4_after"] == result["fa4_before"]  # FA4 compiled nothing new
-    print(json.dumps({"outcome": outcome, "step": result["step"]}), file=sys.stderr)
+    assert result["fa4_after_generation"] == result["fa4_before"]  # nor for the engine
+    print(json.dumps({"outcome": outcome, "step": result["step"], "generation": result["generation"]}),
+          file=sys.stderr)
 

@@ -201,13 +201,88 @@ def test_a_flash_attention_call_is_sent_once_with_its_shapes_and_answered_with_e
     assert outs[0].shape == (12, 4, 16)
     outs[0].sum().backward()
     assert q.grad.shape == q.shape and kv.grad.shape == kv.shape
-    [job] = workers.jobs
-    assert job["kind"] == "flash_attention" and job["backward"] is True
-    assert job["tensors"]["q"] == {"shape": [12, 4, 8], "stride": [32, 8, 1], "dtype": "float32"}
-    assert job["tensors"]["v"] == {"shape": [12, 2, 16], "stride": [32, 1, 2], "dtype": "float32"}
-    assert job["kwargs"] == {"cu_seqlens_q": {"values": [0, 5, 12], "dtype": "int32"},
-                             "cu_seqlens_k": {"values": [0, 5, 12], "dtype": "int32"},
-                             "max_seqlen_q": 7, "max_seqlen_k": 7, "causal": True, "num_splits": 1}
+    forward, backward = workers.jobs  # its two parts, each a job of its own
+    assert (forward["part"], backward["part"]) == ("forward", "backward")
+    for job in (forward, backward):
+        assert job["kind"] == "flash_attention" and job["grad"] is True and job["first"] is True
+        assert job["tensors"]["q"] == {"shape": [12, 4, 8], "stride": [32, 8, 1], "dtype": "float32"}
+        assert job["tensors"]["v"] == {"shape": [12, 2, 16], "stride": [32, 1, 2], "dtype": "float32"}
+        assert job["kwargs"] == {"cu_seqlens_q": {"values": [0, 5, 12], "dtype": "int32"},
+                                 "cu_seqlens_k": {"values": [0, 5, 12], "dtype": "int32"},
+                                 "max_seqlen_q": 7, "max_seqlen_k": 7, "causal": True, "num_splits": 1}
+    assert forward["one_at_a_time"] != backward["one_at_a_time"]  # the two parts compile side by side
+
+
+def _attention_jobs(calls) -> list[dict]:
+    """The jobs a sender makes of FlashAttention-4 calls (tokens, heads, grad)."""
+    workers, core = RecordingWorkers(), Core()
+    with sending([core], KernelSender(workers, TARGET)):
+        for tokens, heads, grad in calls:
+            q = torch.randn(tokens, heads, 8, requires_grad=grad)
+            cu = torch.tensor([0, tokens // 2, tokens], dtype=torch.int32)
+            core.varlen(q, q[:, :2], q[:, :2], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7, max_seqlen_k=7)
+    return workers.jobs
+
+
+def test_a_call_without_gradients_sends_its_forward_only():
+    with torch.no_grad():
+        jobs = _attention_jobs([(12, 4, True)])
+    assert [(job["part"], job["grad"]) for job in jobs] == [("forward", False)]
+
+
+def test_calls_that_differ_in_token_counts_only_are_one_class():
+    jobs = _attention_jobs([(12, 4, False), (20, 4, False), (12, 6, False), (12, 4, True)])
+    assert len(jobs) == 5  # each call is sent: its kernel may differ all the same
+    classes = [job["one_at_a_time"] for job in jobs]
+    assert classes[0] == classes[1]  # 12 and 20 tokens
+    assert len({classes[0], *classes[2:]}) == 4  # other heads; with gradients (another forward), its backward
+
+
+class Pipe:
+    def __init__(self):
+        self.lines = []
+
+    def write(self, line):
+        self.lines.append(json.loads(line))
+
+
+def _pool(running: list) -> compile_workers.CompileWorkers:
+    """A pool without processes whose workers hold `running` (None: free), their input recorded."""
+    pool = compile_workers.CompileWorkers(0)
+    pool.current = {type("Process", (), {"stdin": Pipe()})(): job for job in running}
+    return pool
+
+
+def test_long_jobs_are_queued_ahead_of_the_others_in_their_order():
+    pool = _pool([])
+    for name, first in (("a", False), ("b", True), ("c", False), ("d", True)):
+        pool.submit({"name": name, "first": first})
+    assert [job["name"] for job in pool.queued] == ["b", "d", "a", "c"]
+
+
+def test_jobs_of_one_class_never_run_side_by_side():
+    pool = _pool([{"name": "x1", "one_at_a_time": "x"}, None, None, None])
+    for name, cls in (("x2", "x"), ("y1", "y"), ("y2", "y"), ("z", None)):
+        pool.queued.append({"name": name, "one_at_a_time": cls})
+    pool._dispatch()
+    given = [process.stdin.lines[0]["name"] for process, job in pool.current.items() if process.stdin.lines]
+    assert given == ["y1", "z"] and [job["name"] for job in pool.queued] == ["x2", "y2"]
+    first = next(iter(pool.current))
+    pool.current[first] = None  # x1 done: x2 may go
+    pool._dispatch()
+    assert first.stdin.lines == [{"name": "x2", "one_at_a_time": "x"}] and pool.queued[0]["name"] == "y2"
+
+
+def test_the_outcome_names_the_longest_job(tmp_path):
+    workers = compile_workers.CompileWorkers(2)
+    try:
+        for name in ("first", "second"):
+            workers.submit({"kind": "unknown", "name": name})
+        outcome = workers.wait(timeout=300)
+    finally:
+        workers.close()
+    longest = max(result["seconds"] for result in workers.results)
+    assert outcome["longest"]["seconds"] == longest and outcome["longest"]["name"] in ("first", "second")
 
 
 def test_sending_puts_back_the_hook_and_the_cores_after_an_error():
@@ -352,3 +427,106 @@ def test_a_pass_that_fails_still_zeroes_the_gradients_and_puts_everything_back(c
         module.compile_ahead(ddp, None, vocab_size=50, max_length=64)
     assert ddp.calls == ["no_sync", "zero_grad_buffer"] and ddp.weight.grad is None
     assert knobs.runtime.jit_cache_hook is hook and module.autotune._keep_picks
+
+
+def _attention_layer(megatron_attention):
+    """megatron-core's SelfAttention with what its flash_decode_and_prefill reads, and no weights:
+    8 query heads over 2 groups of 64 channels, FlashAttention-4, BI mode."""
+    layer = object.__new__(megatron_attention.SelfAttention)
+    torch.nn.Module.__init__(layer)
+    layer.config = type("Config", (), {"window_size": None, "window_attn_skip_freq": None,
+                                       "params_dtype": torch.bfloat16})()
+    layer.layer_number, layer.flash_attention_version, layer.batch_invariant_mode = 3, 4, True
+    layer.num_attention_heads_per_partition, layer.num_query_groups_per_partition = 8, 2
+    layer.hidden_size_per_attention_head = 64
+    return layer
+
+
+def test_the_engines_attention_is_sent_from_megatron_cores_own_call(monkeypatch):
+    """The engine's prefill (long and short prompts) and decode calls, as megatron-core's
+    Attention.flash_decode_and_prefill makes them (BI mode's one split among its keywords), over
+    pages of the engine's block size: jobs without a backward; the layer's mode and megatron-core's
+    FlashAttention-4 function put back."""
+    from megatron.core.transformer import attention as megatron_attention
+
+    from megatron_rl_bi.models.compile_ahead import send_engine_attention
+
+    monkeypatch.setattr(megatron_attention, "HAVE_FA4", True)
+    monkeypatch.setattr(megatron_attention, "flash_attn4_varlen_func", "FlashAttention-4", raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    workers, model = RecordingWorkers(), torch.nn.Sequential(_attention_layer(megatron_attention)).train()
+    send_engine_attention(model, KernelSender(workers, TARGET), block_size=256, max_length=1024)
+    assert model[0].training and megatron_attention.flash_attn4_varlen_func == "FlashAttention-4"
+    assert [(job["part"], job["grad"]) for job in workers.jobs] == [("forward", False)] * 3
+    queries = [job["kwargs"]["cu_seqlens_q"]["values"] for job in workers.jobs]
+    assert queries == [[0, 300, 308], [0, 8, 16], [0, 1, 2]]  # a long prompt, short ones, a decode step
+    assert [job["kwargs"]["seqused_k"]["values"] for job in workers.jobs] == [[300, 8], [8, 8], [301, 9]]
+    for job in workers.jobs:
+        assert job["tensors"]["q"]["shape"][1:] == [8, 64]
+        assert job["tensors"]["k"] == {"shape": [8, 256, 2, 64], "stride": [32768, 128, 64, 1], "dtype": "bfloat16"}
+        assert job["kwargs"]["page_table"]["values"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # 1,024 tokens: 4 pages
+        assert job["kwargs"]["num_splits"] == 1 and job["kwargs"]["causal"] is True
+
+
+def test_no_engine_call_is_longer_than_the_engine_takes():
+    from megatron_rl_bi.models.compile_ahead import engine_steps
+
+    steps = engine_steps(64)
+    assert max(n for queries, _, _ in steps for n in queries) == 63  # a prompt leaves room for a token
+    assert max(n for _, keys, _ in steps for n in keys) == 64
+
+
+@pytest.fixture
+def flash_attention_4(monkeypatch):
+    """FlashAttention-4's varlen function as the worker meets it (flash_attn.cute, its interface's
+    forward kernel call, an autograd function), on the CPU: the kernels it calls recorded."""
+    import types
+
+    from megatron_rl_bi.compiling import worker
+
+    calls = []
+
+    def forward_kernel(q, k, v, cu_seqlens_q=None, **_):
+        calls.append("forward")
+        return torch.zeros(*q.shape[:-1], v.shape[-1]), torch.zeros(q.shape[1], q.shape[0]), None, None, None
+
+    class Varlen(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, cu_seqlens_q):
+            out, lse, *_ = interface._flash_attn_fwd(q, k, v, cu_seqlens_q=cu_seqlens_q)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            q, k, v, out, lse = ctx.saved_tensors
+            calls.append(("backward", list(out.shape), list(lse.shape)))
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
+
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface._flash_attn_fwd = forward_kernel
+    cute = types.ModuleType("flash_attn.cute")
+    cute.interface = interface
+    cute.flash_attn_varlen_func = lambda q, k, v, cu_seqlens_q=None, **_: (Varlen.apply(q, k, v, cu_seqlens_q), None)
+    for name, module in (("flash_attn", types.ModuleType("flash_attn")), ("flash_attn.cute", cute),
+                         ("flash_attn.cute.interface", interface)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+    def on_the_cpu(description, requires_grad):
+        if "values" in description:
+            return torch.tensor(description["values"], dtype=getattr(torch, description["dtype"]))
+        return torch.randn(description["shape"]).requires_grad_(requires_grad)
+    monkeypatch.setattr(worker, "_tensor", on_the_cpu)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    return worker, interface, forward_kernel, calls
+
+
+@pytest.mark.parametrize("part, kernels", [("forward", ["forward"]), ("backward", [("backward", [12, 4, 16], [4, 12])])])
+def test_a_flash_attention_job_runs_its_part_alone(flash_attention_4, part, kernels):
+    """The forward job runs the forward kernel; the backward job the backward kernel, after a
+    forward whose kernel call is skipped (its output and log-sum-exp of the shapes it gives)."""
+    worker, interface, forward_kernel, calls = flash_attention_4
+    job = {"part": part, "grad": True, "kwargs": {"cu_seqlens_q": {"values": [0, 5, 12], "dtype": "int32"}},
+           "tensors": {"q": {"shape": [12, 4, 8]}, "k": {"shape": [12, 2, 8]}, "v": {"shape": [12, 2, 16]}}}
+    worker.compile_flash_attention(job)
+    assert calls == kernels and interface._flash_attn_fwd is forward_kernel
