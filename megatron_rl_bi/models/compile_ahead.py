@@ -133,9 +133,11 @@ def send_engine_attention(model: torch.nn.Module, sender: KernelSender, block_si
     `Attention.flash_decode_and_prefill` of each attention layer, in eval mode, over a made-up
     KV cache of the engine's pages (`block_size` tokens; a block table as wide as a request of
     `max_length` tokens needs), its FlashAttention-4 call sent instead of run."""
-    width, device = -(-max_length // block_size), torch.cuda.current_device()
     layers = [m for m in unwrap_model(model).modules()
               if isinstance(m, megatron_attention.Attention) and m.flash_attention_version == 4]
+    if not layers:  # FlashAttention-3's kernels come compiled; megatron-core then has no FA4 function
+        return
+    width, device = -(-max_length // block_size), torch.cuda.current_device()
     replaced = megatron_attention.flash_attn4_varlen_func
     megatron_attention.flash_attn4_varlen_func = lambda q, k, v, **kwargs: (sender.flash_attention(q, k, v, **kwargs), None)
     try:

@@ -530,3 +530,18 @@ def test_a_flash_attention_job_runs_its_part_alone(flash_attention_4, part, kern
            "tensors": {"q": {"shape": [12, 4, 8]}, "k": {"shape": [12, 2, 8]}, "v": {"shape": [12, 2, 16]}}}
     worker.compile_flash_attention(job)
     assert calls == kernels and interface._flash_attn_fwd is forward_kernel
+
+
+def test_without_flash_attention_4_layers_the_engine_sends_nothing(monkeypatch):
+    """FlashAttention-3's kernels come compiled, and megatron-core then has no FA4 function."""
+    from megatron.core.transformer import attention as megatron_attention
+
+    from megatron_rl_bi.models.compile_ahead import send_engine_attention
+
+    monkeypatch.delattr(megatron_attention, "flash_attn4_varlen_func", raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    layer = _attention_layer(megatron_attention)
+    layer.flash_attention_version = 3
+    workers = RecordingWorkers()
+    send_engine_attention(torch.nn.Sequential(layer), KernelSender(workers, TARGET), block_size=256, max_length=1024)
+    assert workers.jobs == []
