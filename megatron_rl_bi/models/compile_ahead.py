@@ -31,9 +31,11 @@ from megatron_rl_bi.packing import PackedBatch, pack_sequences
 
 # The pass's batches: (sequences, the first one's length, the token count modulo 16). Triton
 # compiles an integer argument apart when it is a multiple of 16 (a token count, a count of
-# sequences or of chunks) and FlashAttention-4 a batch whose sequences fit one block apart: the
-# four batches meet each class of each, in each pairing of the two counts.
-DRY_SHAPES = ((5, 300, 5), (5, 300, 0), (16, 8, 5), (16, 8, 0))
+# sequences or of chunks), FlashAttention-4 a batch whose sequences fit one block apart, and the
+# BI GEMM takes its tile by the token count (bi.gemm.TILE_CONFIGS: up to 64 rows, as in a decode
+# step, up to 256, more): the batches meet each class of each, the first four in each pairing of
+# the two counts' classes, however short the model's sequences (36 of 8 tokens are over 256).
+DRY_SHAPES = ((37, 300, 5), (37, 300, 0), (16, 8, 5), (16, 8, 0), (1, 8, 8), (2, 8, 0))
 
 
 def dry_lengths(sequences: int, longest: int, residue: int, max_length: int) -> list[int]:

@@ -162,9 +162,23 @@ def test_the_pass_batches_meet_each_class_in_each_pairing(max_length):
     batches = dry_batches(vocab_size=50, max_length=max_length)
     classes = [(b.input_ids.numel() % 16 == 0, b.num_sequences % 16 == 0, b.max_seqlen <= 32) for b in batches]
     assert sorted(classes[:2]) == [(False, False, False), (True, False, False)]  # sequences of several blocks
-    assert sorted(classes[2:]) == [(False, True, True), (True, True, True)]  # sequences of one block
+    assert sorted(classes[2:4]) == [(False, True, True), (True, True, True)]  # sequences of one block
     assert max(b.max_seqlen for b in batches) == min(300, max_length)
     assert all(int(b.input_ids.max()) < 50 for b in batches)
+
+
+@pytest.mark.parametrize("max_length", [64, 4096])
+def test_the_pass_batches_meet_each_gemm_tile_with_both_token_count_classes(max_length):
+    """The BI GEMM's tile follows the token count (a decode step's few rows among them): each tile
+    of bi.gemm.TILE_CONFIGS meets a count that is a multiple of 16 and one that is not, also when
+    the model's sequences are short (a recipe's 64 tokens: the SFT warm-up's ~1,500-token batches
+    then compiled the widest tile in the run)."""
+    from megatron_rl_bi.bi.gemm import tile_config
+
+    met = {(tile_config(b.input_ids.numel(), 0), b.input_ids.numel() % 16 == 0)
+           for b in dry_batches(vocab_size=50, max_length=max_length)}
+    tiles = {tile_config(m, 0) for m in (1, 100, 10_000)}
+    assert len(tiles) == 3 and met == {(tile, divisible) for tile in tiles for divisible in (False, True)}
 
 
 def test_no_pass_sequence_is_longer_than_the_model_takes():
@@ -407,7 +421,7 @@ def test_the_pass_leaves_no_trace(cpu_pass, monkeypatch):
     rng = torch.get_rng_state()
     workers = type("Workers", (), {"wait": lambda self: {"jobs": 0}, "submit": lambda self, job: None})()
     assert module.compile_ahead(ddp, workers, vocab_size=50, max_length=64) == {"jobs": 0}
-    assert len(seen) == 4 and not any(keep for _, _, keep in seen)  # autotuners kept nothing meanwhile
+    assert len(seen) == len(module.DRY_SHAPES) and not any(keep for _, _, keep in seen)  # autotuners kept nothing meanwhile
     assert torch.equal(torch.get_rng_state(), rng) and tracker.states == {"model-parallel": 7}
     assert ddp.calls == ["no_sync", "zero_grad_buffer"] and ddp.weight.grad is None
     assert module.autotune._keep_picks
