@@ -130,6 +130,34 @@ def engine_steps(max_length: int) -> tuple:
     return (((long, 8), (long, 8), False), ((8, 8), (8, 8), False), ((1, 1), (long + 1, 9), True))
 
 
+@contextlib.contextmanager
+def _engine_flash_attention_sent(sender: KernelSender):
+    """megatron-core's FlashAttention-4 function, the one its engine's attention calls, sends its
+    calls to `sender` (an empty output, no log-sum-exp)."""
+    replaced = megatron_attention.flash_attn4_varlen_func
+    megatron_attention.flash_attn4_varlen_func = lambda q, k, v, **kwargs: (sender.flash_attention(q, k, v, **kwargs),
+                                                                            None)
+    try:
+        yield
+    finally:
+        megatron_attention.flash_attn4_varlen_func = replaced
+
+
+def _engine_step_attention(layer, query_lengths, key_lengths, decode_only: bool, block_size: int, width: int):
+    """`layer`'s attention in one engine step (engine_steps) over a made-up KV cache: pages of
+    `block_size` tokens, `width` of them a request."""
+    device, dtype, requests = torch.cuda.current_device(), layer.config.params_dtype, len(query_lengths)
+    heads, groups = layer.num_attention_heads_per_partition, layer.num_query_groups_per_partition
+    channels = layer.hidden_size_per_attention_head
+    q = torch.empty(sum(query_lengths), 1, heads, channels, dtype=dtype, device=device)
+    k, v = (torch.empty(requests * width, block_size, groups, channels, dtype=dtype, device=device) for _ in "kv")
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+                  for lengths in (query_lengths, key_lengths))
+    table = torch.arange(requests * width, dtype=torch.int32, device=device).view(requests, width)
+    layer.flash_decode_and_prefill(q, k, v, max(query_lengths), max(key_lengths), cu_q, cu_k, cu_k.diff(), table,
+                                   decode_only)
+
+
 def send_engine_attention(model: torch.nn.Module, sender: KernelSender, block_size: int, max_length: int) -> None:
     """The engine's FlashAttention-4 calls, which the trainer never makes, sent: megatron-core's
     `Attention.flash_decode_and_prefill` of each attention layer, in eval mode, over a made-up
@@ -139,30 +167,16 @@ def send_engine_attention(model: torch.nn.Module, sender: KernelSender, block_si
               if isinstance(m, megatron_attention.Attention) and m.flash_attention_version == 4]
     if not layers:  # FlashAttention-3's kernels come compiled; megatron-core then has no FA4 function
         return
-    width, device = -(-max_length // block_size), torch.cuda.current_device()
-    replaced = megatron_attention.flash_attn4_varlen_func
-    megatron_attention.flash_attn4_varlen_func = lambda q, k, v, **kwargs: (sender.flash_attention(q, k, v, **kwargs), None)
-    try:
+    width = -(-max_length // block_size)
+    with _engine_flash_attention_sent(sender), torch.no_grad():
         for layer in layers:
-            training, heads = layer.training, layer.num_attention_heads_per_partition
-            shape = (layer.num_query_groups_per_partition, layer.hidden_size_per_attention_head)
-            dtype = layer.config.params_dtype
+            training = layer.training
             layer.eval()
             try:
-                for query_lengths, key_lengths, decode_only in engine_steps(max_length):
-                    requests = len(query_lengths)
-                    q = torch.empty(sum(query_lengths), 1, heads, shape[1], dtype=dtype, device=device)
-                    k, v = (torch.empty(requests * width, block_size, *shape, dtype=dtype, device=device) for _ in "kv")
-                    lengths = [torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=device)
-                               for n in (query_lengths, key_lengths)]
-                    table = torch.arange(requests * width, dtype=torch.int32, device=device).view(requests, width)
-                    with torch.no_grad():
-                        layer.flash_decode_and_prefill(q, k, v, max(query_lengths), max(key_lengths), lengths[0],
-                                                       lengths[1], lengths[1].diff(), table, decode_only)
+                for step in engine_steps(max_length):
+                    _engine_step_attention(layer, *step, block_size, width)
             finally:
                 layer.train(training)
-    finally:
-        megatron_attention.flash_attn4_varlen_func = replaced
 
 
 def flash_attention_4_cores(model: torch.nn.Module) -> list[FlashCoreAttention]:
