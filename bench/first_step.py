@@ -12,11 +12,16 @@ machine's caches, not its file cache: the libraries' files are read from memory 
   python bench/first_step.py --output results/bench_first_step_hybrid_h200.json -- \
       --recipe examples/recipes/tiny_sort_hybrid.yaml --batch-invariant-mode \
       --flash-attention-version 4 --train-iters 24
+
+With --profile DIR each run runs under cProfile, and each round prints the functions whose
+cumulative seconds grew most from the warm run to the fresh one: where the empty caches' seconds
+go (the report then says "profiled": its times are not to be set beside unprofiled ones).
 """
 
 import argparse
 import collections
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -101,14 +106,22 @@ def _record_seconds(metrics: str, process: subprocess.Popen, start: float) -> tu
         time.sleep(POLL_SECONDS)
 
 
-def run_once(flags: list[str], cache_dir: str, work_dir: str) -> dict:
-    """One run of pretrain_rl.py with `flags` on the caches under `cache_dir`."""
+def run_command(flags: list[str], work_dir: str, profile: str | None = None) -> list[str]:
+    """pretrain_rl.py with `flags` under torchrun, its records and checkpoints in `work_dir`;
+    under cProfile, writing to `profile`, when given."""
+    profiled = ["-m", "cProfile", "-o", profile] if profile else []
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", *profiled,
+            os.path.join(REPO, "pretrain_rl.py"), *flags, "--rl-metrics-jsonl", os.path.join(work_dir, "metrics.jsonl"),
+            "--save", os.path.join(work_dir, "checkpoints")]
+
+
+def run_once(flags: list[str], cache_dir: str, work_dir: str, profile: str | None = None) -> dict:
+    """One run of pretrain_rl.py with `flags` on the caches under `cache_dir` (profiled into
+    `profile` when given)."""
     metrics = os.path.join(work_dir, "metrics.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-               os.path.join(REPO, "pretrain_rl.py"), *flags, "--rl-metrics-jsonl", metrics,
-               "--save", os.path.join(work_dir, "checkpoints")]
+    command = run_command(flags, work_dir, profile)
     start = time.perf_counter()
     process = subprocess.Popen(command, env=cache_environment(cache_dir), cwd=REPO)
     first_record_s, last_record_s = _record_seconds(metrics, process, start)
@@ -159,27 +172,55 @@ def ratios(fresh: dict, warm: dict) -> dict:
     return out
 
 
+def profile_growth(fresh: str, warm: str, top: int = 30) -> list[tuple[str, float, float]]:
+    """The `top` functions whose cumulative seconds grew most from the warm run's cProfile file to
+    the fresh run's: (function, fresh seconds, warm seconds), the most first. A function and its
+    callers grow together; the deepest of a chain that grows by one amount is where it is spent."""
+    def cumulative(path: str) -> dict[str, float]:
+        return {f"{os.path.basename(file)}:{line}({name})": seconds
+                for (file, line, name), (_, _, _, seconds, _) in pstats.Stats(path).stats.items()}
+    fresh_s, warm_s = cumulative(fresh), cumulative(warm)
+    rows = [(name, seconds, warm_s.get(name, 0.0)) for name, seconds in fresh_s.items()]
+    return sorted(rows, key=lambda row: row[2] - row[1])[:top]
+
+
+def print_profile_growth(fresh: str, warm: str) -> None:
+    print(f"{'fresh s':>9} {'warm s':>9} {'grew s':>9}  function")
+    for name, fresh_s, warm_s in profile_growth(fresh, warm):
+        print(f"{fresh_s:9.2f} {warm_s:9.2f} {fresh_s - warm_s:9.2f}  {name}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", help="the JSON report")
     parser.add_argument("--rounds", type=positive_int, default=1)
+    parser.add_argument("--profile", metavar="DIR",
+                        help="run each run under cProfile, writing DIR/round<N>_fresh.prof and _warm.prof, and "
+                             "print where the fresh run's extra seconds go (the profiler slows the runs: their "
+                             "times are for finding, not for comparing with unprofiled ones)")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="after --: pretrain_rl.py's flags")
     args = parser.parse_args()
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
     if not flags:
         parser.error("give pretrain_rl.py's flags after --")
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     rounds = []
-    for _ in range(args.rounds):
+    for number in range(1, args.rounds + 1):
+        profiles = {run: os.path.join(os.path.abspath(args.profile), f"round{number}_{run}.prof") if args.profile
+                    else None for run in ("fresh", "warm")}
         with tempfile.TemporaryDirectory(prefix="first_step_") as root:
             cache_dir, work_dir = os.path.join(root, "caches"), os.path.join(root, "run")
             os.makedirs(work_dir)
-            fresh = run_once(flags, cache_dir, work_dir)
+            fresh = run_once(flags, cache_dir, work_dir, profiles["fresh"])
             kernels = {"fresh_triton_kernels": triton_kernels(cache_dir),
                        "fresh_flash_attention_kernels": flash_attention_kernels(cache_dir)}
-            warm = run_once(flags, cache_dir, work_dir)
+            warm = run_once(flags, cache_dir, work_dir, profiles["warm"])
         rounds.append({"fresh": fresh, "warm": warm, "ratios": ratios(fresh, warm), **kernels})
+        if args.profile:
+            print_profile_growth(profiles["fresh"], profiles["warm"])
     medians = {key: statistics.median(r["ratios"][key] for r in rounds) for key in rounds[0]["ratios"]}
-    report = {**provenance(), "flags": flags, "rounds": rounds, "medians": medians}
+    report = {**provenance(), "flags": flags, "profiled": bool(args.profile), "rounds": rounds, "medians": medians}
     write_report(report, medians, args.output)
 
 

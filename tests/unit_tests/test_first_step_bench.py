@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import pstats
 import subprocess
 import sys
 
@@ -112,3 +113,34 @@ def test_the_first_and_the_last_record_are_timed_when_their_lines_appear(tmp_pat
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
     assert first_step._record_seconds(str(tmp_path / "none.jsonl"), ended, 0.0) == (None, None)
+
+
+def _write_profile(path, cumulative: dict[str, float]) -> str:
+    """A cProfile file (marshal of pstats' dict) whose functions have these cumulative seconds."""
+    import marshal
+
+    stats = {(f"/x/{name}.py", 1, name): (1, 1, 0.0, seconds, {}) for name, seconds in cumulative.items()}
+    with open(path, "wb") as f:
+        marshal.dump(stats, f)
+    return str(path)
+
+
+def test_where_the_fresh_runs_seconds_go_by_hand(tmp_path):
+    fresh = _write_profile(tmp_path / "fresh.prof", {"main": 50.0, "sft": 9.0, "load": 7.0, "imports": 17.0})
+    warm = _write_profile(tmp_path / "warm.prof", {"main": 38.0, "sft": 2.0, "imports": 18.0})
+    assert first_step.profile_growth(fresh, warm, top=3) == [
+        ("main.py:1(main)", 50.0, 38.0), ("sft.py:1(sft)", 9.0, 2.0), ("load.py:1(load)", 7.0, 0.0)]
+
+
+def test_a_profiled_run_runs_the_script_under_cprofile_through_torchrun(tmp_path):
+    """run_command's cProfile arguments, as torchrun passes them on: the script runs as __main__
+    with its flags, and the profile holds its functions."""
+    script = tmp_path / "script.py"
+    script.write_text("import sys\ndef work():\n    return sys.argv[1:3]\nif __name__ == '__main__':\n"
+                      "    assert work() == ['--flag', '3'], sys.argv\n")
+    profile = str(tmp_path / "run.prof")
+    command = first_step.run_command(["--flag", "3"], str(tmp_path), profile)
+    command[command.index(os.path.join(first_step.REPO, "pretrain_rl.py"))] = str(script)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert any(name == "work" for (_, _, name) in pstats.Stats(profile).stats)
