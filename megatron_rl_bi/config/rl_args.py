@@ -71,9 +71,10 @@ def _add_record_args(group) -> None:
 
 def _add_compile_ahead_args(group) -> None:
     group.add_argument(WORKERS_FLAG, type=int, default=DEFAULT_WORKERS, metavar="N",
-                       help="BI mode: N processes compile the trainer's Triton and FlashAttention-4 kernels "
-                       "before its first step, sent by a forward and backward that launches nothing "
-                       "(models/compile_ahead.py); 0: the first step compiles them. The count is read from "
+                       help="BI mode: N processes compile the trainer's Triton and FlashAttention-4 kernels, "
+                       "and the engine's FlashAttention-4 kernels, before the first step, sent by a forward "
+                       "and backward that launches nothing (models/compile_ahead.py); 0: the first step "
+                       "compiles them. The count is read from "
                        "the command line: the processes start before the run's imports (a recipe's 0 "
                        "still ends them)")
 
