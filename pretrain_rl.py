@@ -294,7 +294,7 @@ def compile_kernels_ahead(args: argparse.Namespace, ddp, workers: CompileWorkers
             if workers is not None:
                 print(f"compile ahead: off ({problem}): the first step compiles the kernels", flush=True)
         else:
-            engine_pages = (engine.block_size_tokens, engine.max_sequence_length) if engine else None
+            engine_pages = (engine.block_size_tokens, engine.max_sequence_length) if engine is not None else None
             outcome = compile_ahead(ddp, workers, vocab_size, args.seq_length, engine_pages)
     except Exception as exc:  # an optimization: the run goes on and compiles in its first step
         print(f"compile ahead: failed ({type(exc).__name__}: {exc}): the first step compiles the kernels", flush=True)

@@ -4,10 +4,11 @@ A forward and backward of the policy on made-up packed batches in which nothing 
 launches: Triton's `jit_cache_hook` sends each new launch's specialization to the compile workers
 (compiling/workers.py) and skips it, and each FlashAttention-4 call is sent with its shapes and
 answered with an empty tensor; before them, the engine's FlashAttention-4 calls, made by
-megatron-core's own decode-and-prefill attention on a made-up paged cache. What the pass computes is garbage and goes nowhere: no gradient is
-synchronized (DDP's no_sync), the gradient buffer is zeroed after, the RNG states are restored,
-and autotuners keep no pick (bi.autotune.picks_not_kept). Once the workers are done, the run's
-first step loads their kernels from Triton's and FlashAttention-4's disk caches.
+megatron-core's own decode-and-prefill attention on a made-up paged cache. What the pass computes
+is garbage and goes nowhere: no gradient is synchronized (DDP's no_sync), the gradient buffer is
+zeroed after, the RNG states are restored, and autotuners keep no pick
+(bi.autotune.picks_not_kept). Once the workers are done, the run's first step loads their kernels
+from Triton's and FlashAttention-4's disk caches.
 
 BI mode only: there an autotuner tries its candidates in order, untimed (bi/autotune.py); in
 default mode it would time launches that do not run.
