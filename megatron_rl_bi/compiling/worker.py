@@ -4,7 +4,8 @@ each, compiles each into the disk cache the run reads, and answers each with a l
 
 Jobs (models/compile_ahead.py writes them):
 - "triton": a launch's serialized specialization (what Triton's `jit_cache_hook` is given) and
-  the run's GPU target; compiled as the launch would have been, for that target, without a GPU.
+  the run's GPU target; compiled as the launch would have been, for that target, without a GPU,
+  and its launcher built (the driver's launcher class: the node's GPU driver, no device used).
 - "flash_attention": a FlashAttention-4 varlen call's tensors (shape, strides, dtype), integer
   tensors' values and keywords; made on this process's GPU and called, so FlashAttention-4
   compiles its kernels into its disk cache (on in the package): the forward's ("part":
@@ -29,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
 from triton.runtime.jit import JITFunction, convert_to_tuple_if_list
 
 # What holds the kernels the jobs name (the package's model code imports its BI kernels, fla's and
@@ -90,8 +92,12 @@ def compile_triton(job: dict) -> None:
     signature = {key: convert_to_tuple_if_list(value) for key, value in spec["signature"].items()}
     options = {key: tuple(value) if isinstance(value, list) else value for key, value in spec["options"].items()}
     options = triton.compiler.make_backend(target).parse_options(options)
-    triton.compile(triton.compiler.ASTSource(fn, signature, constexprs, attrs), target=target,
-                   options=options.__dict__)
+    kernel = triton.compile(triton.compiler.ASTSource(fn, signature, constexprs, attrs), target=target,
+                            options=options.__dict__)
+    # Triton 3.6 builds each kernel's launcher from C with the host's C compiler at its first launch
+    # (0.3 s each: 26 of them made 7.4 s of a fresh tiny hybrid run's SFT warm-up and first step);
+    # built here, it lands in the same cache, where that launch finds it.
+    driver.active.launcher_cls(kernel.src, kernel.metadata)
 
 
 def _tensor(description: dict, requires_grad: bool) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """Compile ahead on the GPU: after the pass (models/compile_ahead.py) and its workers, training
-forwards and backwards of other batches compile nothing themselves, Triton's kernels nor
-FlashAttention-4's: it loads them all from the disk caches the workers wrote; and the engine's
-generations (a prefill of a long prompt with short ones, of short ones alone, their decode steps)
-compile no FlashAttention-4 kernel. A process of its own with empty caches (a test process has
-compiled kernels in memory already)."""
+forwards and backwards of other batches compile nothing themselves, Triton's kernels, their
+launchers nor FlashAttention-4's: it loads them all from the disk caches the workers wrote; and
+the engine's generations (a prefill of a long prompt with short ones, of short ones alone, their
+decode steps) compile no FlashAttention-4 kernel. A process of its own with empty caches (a test
+process has compiled kernels in memory already)."""
 
 import json
 import os
@@ -18,8 +18,9 @@ from tests import REPO
 pytestmark = pytest.mark.gpu
 
 SCRIPT = textwrap.dedent("""
-    import json, pathlib, sys
+    import json, os, pathlib, sys
     import torch
+    from triton.backends.nvidia import driver as nvidia_driver
     from megatron_rl_bi.compiling.workers import CompileWorkers
     from megatron_rl_bi.config import parse_args
     from megatron_rl_bi.distributed import initialize_distributed
@@ -32,6 +33,7 @@ SCRIPT = textwrap.dedent("""
     from tests.gpu.conftest import TINY_HYBRID_ARGS, VOCAB_SIZE, build
 
     fa4_cache = pathlib.Path(sys.argv[1])
+    launchers = lambda: sorted(str(p) for p in pathlib.Path(os.environ["TRITON_CACHE_DIR"]).rglob("__triton_launcher*"))
     tally = count_triton_compiles()
     initialize_distributed(seed=1234)
     model = build(TINY_HYBRID_ARGS, batch_invariant=True)
@@ -41,7 +43,7 @@ SCRIPT = textwrap.dedent("""
     outcome = compile_ahead(ddp, workers, VOCAB_SIZE, 1024, (engine.block_size_tokens, engine.max_sequence_length))
     workers.close()
     in_pass = tally.take()
-    fa4_before = sorted(str(p) for p in fa4_cache.rglob("*.o"))
+    fa4_before, launchers_before = sorted(str(p) for p in fa4_cache.rglob("*.o")), launchers()
     torch.manual_seed(5)
     # a step's batch of a few long sequences, and an SFT warm-up's of 64 short ones
     for lengths in ((517, 90, 33, 7), [20 + i % 7 for i in range(64)]):
@@ -50,11 +52,14 @@ SCRIPT = textwrap.dedent("""
         logprobs.sum().backward()
     torch.cuda.synchronize()
     step, fa4_after_step = tally.take(), sorted(str(p) for p in fa4_cache.rglob("*.o"))
+    launchers_after_step = launchers()
     generator = Generator(model, engine)
     for prompts in ([[5] * 600, [7] * 5, [9] * 40], [[11] * 5, [13] * 12]):
         generator.generate(prompts, Sampling(max_new_tokens=4, seed=3))
     print(json.dumps({"outcome": outcome, "in_pass": in_pass, "step": step, "fa4_before": fa4_before,
                       "fa4_after": fa4_after_step, "generation": tally.take(),
+                      "launchers_built_from_c": hasattr(nvidia_driver, "make_launcher"),
+                      "launchers_before": launchers_before, "launchers_after": launchers_after_step,
                       "fa4_after_generation": sorted(str(p) for p in fa4_cache.rglob("*.o"))}))
 """)
 
@@ -78,6 +83,9 @@ def test_after_the_pass_training_compiles_nothing_itself(tmp_path):
     assert result["step"]["time/triton_cache_loads"] > 10
     assert result["fa4_before"] and result["fa4_after"] == result["fa4_before"]  # FA4 compiled nothing new
     assert result["fa4_after_generation"] == result["fa4_before"]  # nor for the engine
+    # Where Triton builds its launchers from C (3.6), the workers built them, and training none.
+    assert bool(result["launchers_before"]) == result["launchers_built_from_c"]
+    assert result["launchers_after"] == result["launchers_before"]
     print(json.dumps({"outcome": outcome, "step": result["step"], "generation": result["generation"]}),
           file=sys.stderr)
 

@@ -73,11 +73,35 @@ LAUNCHES = textwrap.dedent("""
 """)
 
 
+# The compile workers' driver in these tests, set by the kernels' module, which a worker imports at
+# its first job (after the package's modules, whose imports would take it for a GPU's): it names the
+# target, has no device, and writes down each launcher it builds.
+WORKERS_DRIVER = textwrap.dedent("""
+    import json
+    import os
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class WrittenDown:
+        def __init__(self, src, metadata):
+            with open(os.environ["LAUNCHERS_BUILT"], "a") as built:
+                built.write(json.dumps({"kernel": metadata.name, "signature": src.signature,
+                                        "attrs": str(src.attrs)}) + "\\n")
+
+    class NoDevice:
+        launcher_cls = WrittenDown
+        def get_current_target(self): return GPUTarget("cuda", 90, 32)
+
+    driver.set_active(NoDevice())
+""")
+
+
 def run_script(tmp_path, script: str) -> dict:
     path = tmp_path / "script.py"
     path.write_text(script)
-    (tmp_path / "copy_kernels.py").write_text(KERNELS)
-    environment = compiling_environment(TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=f"{REPO}:{tmp_path}")
+    (tmp_path / "copy_kernels.py").write_text(KERNELS + WORKERS_DRIVER)
+    environment = compiling_environment(TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=f"{REPO}:{tmp_path}",
+                                        LAUNCHERS_BUILT=str(tmp_path / "launchers.jsonl"))
     done = subprocess.run([sys.executable, str(path)], env=environment, cwd=tmp_path, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -89,6 +113,9 @@ def test_the_workers_compile_what_the_launches_would_and_nothing_compiles_or_run
     assert result["in_sender"] == {"compiled": 0, "y_sum": 0.0}  # no compilation, no launch
     assert result["sent"] == 2 and result["jobs"] == 2 and result["failed"] == []  # the repeat sent once
     assert result["cache_hits_after"] == [True, True]  # Triton's own compile of each finds the workers'
+    built = [json.loads(line) for line in (tmp_path / "launchers.jsonl").read_text().splitlines()]
+    assert [launcher["kernel"] for launcher in built] == ["copy_kernel", "copy_kernel"]  # each job's launcher
+    assert len({launcher["attrs"] for launcher in built}) == 2  # of each specialization
 
 
 def test_a_failed_job_is_reported_and_the_others_go_on(tmp_path):
