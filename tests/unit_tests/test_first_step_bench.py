@@ -1,6 +1,7 @@
 """bench/first_step.py's arithmetic and cache placement by hand (the runs themselves need a GPU)."""
 
 import importlib.util
+import json
 import os
 import pstats
 import subprocess
@@ -144,3 +145,25 @@ def test_a_profiled_run_runs_the_script_under_cprofile_through_torchrun(tmp_path
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert any(name == "work" for (_, _, name) in pstats.Stats(profile).stats)
+
+
+def test_a_profiled_rounds_growth_is_in_the_report(tmp_path, monkeypatch):
+    """main with the runs stood in for: each writes its profile where it is told."""
+    cumulative = {"fresh": {"main": 50.0, "sft": 9.0}, "warm": {"main": 38.0, "sft": 2.0}}
+    later = {"time/step_s": 1.0, "time/generation_s": 1.0, "time/training_s": 1.0, "time/optimizer_s": 1.0}
+
+    def run_once(flags, cache_dir, work_dir, profile):
+        run = "warm" if os.path.exists(os.path.join(work_dir, "fresh_ran")) else "fresh"
+        open(os.path.join(work_dir, "fresh_ran"), "w").close()
+        _write_profile(profile, cumulative[run])
+        return _run(2.0, 1.0, 1.0, 1.0, 1.0, 1.0, later)
+
+    monkeypatch.setattr(first_step, "run_once", run_once)
+    output = tmp_path / "report.json"
+    monkeypatch.setattr(sys, "argv", ["first_step.py", "--profile", str(tmp_path / "prof"), "--output", str(output),
+                                      "--", "--recipe", "x.yaml"])
+    first_step.main()
+    report = json.loads(output.read_text())
+    assert report["profiled"] is True
+    assert report["rounds"][0]["profile_growth"] == [["main.py:1(main)", 50.0, 38.0], ["sft.py:1(sft)", 9.0, 2.0]]
+
