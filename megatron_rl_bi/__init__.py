@@ -18,3 +18,10 @@ warnings.filterwarnings("ignore", message=r"Triton is not supported on current p
 # keeps them on disk only when asked: asked here (under TMPDIR, keyed by its sources and
 # versions), so a second process on a machine starts warm. Set the variable to 0 to keep it off.
 os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+
+# Triton's autotuners time their candidates at each new key and keep the pick on disk only when
+# asked (Triton's own TRITON_CACHE_AUTOTUNING, read as each autotuner is made: before megatron-core's
+# and fla's kernel modules are imported): asked here, so a later default-mode process on the machine
+# tunes nothing again (fla asks for its own kernels already). BI mode times nothing and reads no
+# pick (bi/autotune.py). Set the variable to 0 to keep it off.
+os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
