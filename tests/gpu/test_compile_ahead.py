@@ -20,6 +20,7 @@ pytestmark = pytest.mark.gpu
 SCRIPT = textwrap.dedent("""
     import json, os, pathlib, sys
     import torch
+    from triton import knobs
     from triton.backends.nvidia import driver as nvidia_driver
     from megatron_rl_bi.compiling.workers import CompileWorkers
     from megatron_rl_bi.config import parse_args
@@ -34,6 +35,11 @@ SCRIPT = textwrap.dedent("""
 
     fa4_cache = pathlib.Path(sys.argv[1])
     launchers = lambda: sorted(str(p) for p in pathlib.Path(os.environ["TRITON_CACHE_DIR"]).rglob("__triton_launcher*"))
+    compiled = []  # the kernels compiled in this process, by name (the tally calls this after itself)
+    def listen(*, metadata, cache_hit, **_):
+        if not cache_hit:
+            compiled.append(metadata["name"])
+    knobs.compilation.listener = listen
     tally = count_triton_compiles()
     initialize_distributed(seed=1234)
     model = build(TINY_HYBRID_ARGS, batch_invariant=True)
@@ -52,12 +58,14 @@ SCRIPT = textwrap.dedent("""
         logprobs.sum().backward()
     torch.cuda.synchronize()
     step, fa4_after_step = tally.take(), sorted(str(p) for p in fa4_cache.rglob("*.o"))
+    compiled_before_generation = len(compiled)
     launchers_after_step = launchers()
     generator = Generator(model, engine)
     for prompts in ([[5] * 600, [7] * 5, [9] * 40], [[11] * 5, [13] * 12]):
         generator.generate(prompts, Sampling(max_new_tokens=4, seed=3))
     print(json.dumps({"outcome": outcome, "in_pass": in_pass, "step": step, "fa4_before": fa4_before,
                       "fa4_after": fa4_after_step, "generation": tally.take(),
+                      "generation_compiled": compiled[compiled_before_generation:],
                       "launchers_built_from_c": hasattr(nvidia_driver, "make_launcher"),
                       "launchers_before": launchers_before, "launchers_after": launchers_after_step,
                       "fa4_after_generation": sorted(str(p) for p in fa4_cache.rglob("*.o"))}))
@@ -86,6 +94,6 @@ def test_after_the_pass_training_compiles_nothing_itself(tmp_path):
     # Where Triton builds its launchers from C (3.6), the workers built them, and training none.
     assert bool(result["launchers_before"]) == result["launchers_built_from_c"]
     assert result["launchers_after"] == result["launchers_before"]
-    print(json.dumps({"outcome": outcome, "step": result["step"], "generation": result["generation"]}),
-          file=sys.stderr)
+    print(json.dumps({"outcome": outcome, "step": result["step"], "generation": result["generation"],
+                      "generation_compiled": result["generation_compiled"]}), file=sys.stderr)
 
