@@ -40,10 +40,10 @@ CACHE_VARIABLES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUTE_DSL_CACH
                    "XDG_CACHE_HOME", "TMPDIR")
 PHASES = ("time/step_s", "time/generation_s", "time/training_s", "time/optimizer_s")
 # Before the first step (its record carries them): the process's start to main's (the imports),
-# main's start to the model and optimizer built, the engine's build, the SFT warm-up (absent
-# without one)
-STARTUP = ("time/startup_imports_s", "time/startup_model_s", "time/startup_compile_ahead_s", "time/startup_engine_s",
-           "time/startup_sft_s")
+# main's start to the model and optimizer built, compile ahead and of it the wait for its workers,
+# the engine's build, the SFT warm-up (absent without one)
+STARTUP = ("time/startup_imports_s", "time/startup_model_s", "time/startup_compile_ahead_s",
+           "time/startup_compile_ahead_wait_s", "time/startup_engine_s", "time/startup_sft_s")
 # Triton's compilations since the record before (each step record carries them)
 COMPILES = ("time/triton_compiles", "time/triton_compile_s", "time/triton_cache_loads")
 POLL_SECONDS = 0.2

@@ -21,6 +21,8 @@ from megatron_rl_bi.models.compile_ahead import KernelSender, dry_batches, sendi
 from tests import REPO
 from tests.sm90_spills import compiling_environment
 
+from .conftest import run_after_loading_pretrain_rl
+
 TARGET = GPUTarget("cuda", 90, 32)  # an H100's, as the run's driver names it
 
 KERNELS = textwrap.dedent("""
@@ -586,3 +588,30 @@ def test_without_flash_attention_4_layers_the_engine_sends_nothing(monkeypatch):
     workers = RecordingWorkers()
     send_engine_attention(torch.nn.Sequential(layer), KernelSender(workers, TARGET), block_size=256, max_length=1024)
     assert workers.jobs == []
+
+
+COMPILE_KERNELS_AHEAD = textwrap.dedent("""
+    import argparse, json
+    class Workers:
+        processes = [1, 2]
+        def close(self): pass
+    def failing(*_):
+        raise RuntimeError("no")
+    pretrain_rl.compile_ahead_problem = lambda ddp: None
+    args = argparse.Namespace(batch_invariant_mode=True, rl_compile_ahead_workers=2, seq_length=64)
+    found = []
+    for compile_ahead in (lambda *_: {"jobs": 3, "failed": [], "compile_s": 4.0, "longest": None, "wall_s": 2.5},
+                          failing):
+        pretrain_rl.compile_ahead = compile_ahead
+        found.append(pretrain_rl.compile_kernels_ahead(args, None, Workers(), 100, None))
+    args.batch_invariant_mode = False
+    found.append(pretrain_rl.compile_kernels_ahead(args, None, Workers(), 100, None))
+    print(json.dumps([[seconds >= 0, waited] for seconds, waited in found]))
+""")
+
+
+def test_the_start_up_record_has_the_wait_for_the_workers_apart():
+    """compile_kernels_ahead's seconds, and of them the workers' wait (the outcome's); none
+    when the pass failed or did not run."""
+    found = json.loads(run_after_loading_pretrain_rl(COMPILE_KERNELS_AHEAD))
+    assert found == [[True, 2.5], [True, 0.0], [True, 0.0]]
