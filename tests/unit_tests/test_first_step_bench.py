@@ -37,11 +37,14 @@ def test_ratios_by_hand():
 def test_the_start_ups_phases_fresh_over_warm_where_both_runs_have_them():
     later = {"time/step_s": 1.0, "time/generation_s": 1.0, "time/training_s": 1.0, "time/optimizer_s": 1.0}
     fresh = _run(90.0, 60.0, 6.0, 5.0, 1.0, 1.0, later, {"time/startup_model_s": 20.0, "time/startup_engine_s": 9.0,
-                                                          "time/startup_sft_s": 18.0})
-    warm = _run(60.0, 30.0, 3.0, 2.0, 1.0, 1.0, later, {"time/startup_model_s": 16.0, "time/startup_engine_s": 3.0})
+                                                          "time/startup_sft_s": 18.0,
+                                                          "time/startup_compile_ahead_s": 0.0})
+    warm = _run(60.0, 30.0, 3.0, 2.0, 1.0, 1.0, later, {"time/startup_model_s": 16.0, "time/startup_engine_s": 3.0,
+                                                         "time/startup_compile_ahead_s": 0.0})
     got = first_step.ratios(fresh, warm)
     assert got["startup_model_s_fresh_over_warm"] == 1.25 and got["startup_engine_s_fresh_over_warm"] == 3.0
     assert "startup_sft_s_fresh_over_warm" not in got
+    assert got["startup_compile_ahead_s_fresh_over_warm"] is None  # default mode: no pass, no ratio
 
 
 def _record(step, step_s, compiles=None, **more):
