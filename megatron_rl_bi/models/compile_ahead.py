@@ -8,7 +8,7 @@ megatron-core's own decode-and-prefill attention on a made-up paged cache. What 
 is garbage and goes nowhere: no gradient is synchronized (DDP's no_sync), the gradient buffer is
 zeroed after, the RNG states are restored, and autotuners keep no pick
 (bi.autotune.picks_not_kept). Once the workers are done, the run's first step loads their kernels
-from Triton's and FlashAttention-4's disk caches.
+(and Triton's launchers for them) from Triton's and FlashAttention-4's disk caches.
 
 BI mode only: there an autotuner tries its candidates in order, untimed (bi/autotune.py); in
 default mode it would time launches that do not run.
