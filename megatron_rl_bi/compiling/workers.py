@@ -13,9 +13,10 @@ the next, so a long compilation does not hold others back; it ends at the end jo
 run ends, however it ends.
 
 Two marks a job may carry shape the order: "first" (a long job, FlashAttention-4's: queued ahead
-of the others, so the longest start earliest) and "one_at_a_time" (a class: jobs of one class never
-run side by side, so the later ones of a class that compiles one kernel load it from the disk
-cache instead of compiling it again each on a core of its own).
+of the others, so the longest start earliest) and "kernel_class" (jobs that mostly compile one
+kernel: the first of a class runs alone, and the others wait for it to end, then run side by side,
+loading the kernel it compiled from the disk cache instead of each compiling it again on a core of
+its own; one after another, their loads had made the pass's longest wait).
 """
 
 import ctypes
@@ -69,6 +70,7 @@ class CompileWorkers:
             self.selector.register(process.stdout, selectors.EVENT_READ, process)
         self.queued: list[dict] = []
         self.results: list[dict] = []
+        self.classes_compiled: set[str] = set()  # kernel classes whose first job has ended
 
     def submit(self, job: dict) -> None:
         """Queue `job` (after the jobs marked "first" when it is one, else last); it goes to the
@@ -81,17 +83,19 @@ class CompileWorkers:
         self._dispatch()
 
     def _next_job(self, running_classes: set) -> dict | None:
-        """The first queued job whose "one_at_a_time" class has no job running, taken off the queue."""
+        """The first queued job that may start, taken off the queue: one without a kernel class,
+        of a class whose first job has ended, or the first of its class (none of it running)."""
         for index, job in enumerate(self.queued):
-            if job.get("one_at_a_time") is None or job["one_at_a_time"] not in running_classes:
+            kernel_class = job.get("kernel_class")
+            if kernel_class is None or kernel_class in self.classes_compiled or kernel_class not in running_classes:
                 return self.queued.pop(index)
         return None
 
     def _dispatch(self) -> None:
-        running_classes = {job.get("one_at_a_time") for job in self.current.values() if job is not None}
+        running_classes = {job.get("kernel_class") for job in self.current.values() if job is not None}
         for process, held in self.current.items():
             if held is None and (job := self._next_job(running_classes)) is not None:
-                running_classes.add(job.get("one_at_a_time"))
+                running_classes.add(job.get("kernel_class"))
                 self.current[process] = job
                 try:
                     process.stdin.write(json.dumps(job) + "\n")
@@ -102,14 +106,20 @@ class CompileWorkers:
         for key, _ in self.selector.select(timeout):
             process, lines = key.data, key.fileobj.readlines()
             for line in lines:
-                self.results.append(json.loads(line))
-                self.current[process] = None
+                self._ended(process, json.loads(line))
             if not lines and process.poll() is not None:  # its end: the job it held fails
                 self.selector.unregister(key.fileobj)
                 job = self.current.pop(process)
                 if job is not None:
                     self.results.append({"error": f"worker exited with code {process.returncode} on {job['name']}",
                                          "seconds": 0.0})
+
+    def _ended(self, process: subprocess.Popen, answer: dict) -> None:
+        """`process` answered for the job it held: the outcome kept, its kernel class compiled."""
+        self.results.append(answer)
+        if (job := self.current[process]) is not None and job.get("kernel_class") is not None:
+            self.classes_compiled.add(job["kernel_class"])
+        self.current[process] = None
 
     def wait(self, timeout: float = 900.0) -> dict:
         """Every job's outcome: {"jobs", "failed" (their messages), "compile_s" (the workers'

@@ -78,7 +78,7 @@ class KernelSender:
     def flash_attention(self, q, k, v, **kwargs) -> torch.Tensor:
         """A FlashAttention-4 varlen call sent: its forward, and its backward as a job of its own
         when it has one; an empty output. The jobs go before the Triton ones (they are the
-        longest), and those of one class (the same but for the token counts) one at a time."""
+        longest), and those of one class (the same but for the token counts) after its first."""
         grad = torch.is_grad_enabled() and q.requires_grad
         tensors, kwargs = {"q": _described(q), "k": _described(k), "v": _described(v)}, {
             name: _described(x) if torch.is_tensor(x) else x for name, x in kwargs.items()}
@@ -86,7 +86,7 @@ class KernelSender:
             self.send({"kind": "flash_attention", "part": part, "grad": grad,
                        "name": f"flash_attn.cute varlen {part} q{list(q.shape)} k{list(k.shape)}",
                        "tensors": tensors, "kwargs": kwargs, "first": True,
-                       "one_at_a_time": _attention_class(part, grad, tensors, kwargs)})
+                       "kernel_class": _attention_class(part, grad, tensors, kwargs)})
         return _SkippedAttention.apply(q, k, v)
 
 

@@ -253,7 +253,7 @@ def test_a_flash_attention_call_is_sent_once_with_its_shapes_and_answered_with_e
         assert job["kwargs"] == {"cu_seqlens_q": {"values": [0, 5, 12], "dtype": "int32"},
                                  "cu_seqlens_k": {"values": [0, 5, 12], "dtype": "int32"},
                                  "max_seqlen_q": 7, "max_seqlen_k": 7, "causal": True, "num_splits": 1}
-    assert forward["one_at_a_time"] != backward["one_at_a_time"]  # the two parts compile side by side
+    assert forward["kernel_class"] != backward["kernel_class"]  # the two parts compile side by side
 
 
 def _attention_jobs(calls) -> list[dict]:
@@ -276,7 +276,7 @@ def test_a_call_without_gradients_sends_its_forward_only():
 def test_calls_that_differ_in_token_counts_only_are_one_class():
     jobs = _attention_jobs([(12, 4, False), (20, 4, False), (12, 6, False), (12, 4, True)])
     assert len(jobs) == 5  # each call is sent: its kernel may differ all the same
-    classes = [job["one_at_a_time"] for job in jobs]
+    classes = [job["kernel_class"] for job in jobs]
     assert classes[0] == classes[1]  # 12 and 20 tokens
     assert len({classes[0], *classes[2:]}) == 4  # other heads; with gradients (another forward), its backward
 
@@ -303,17 +303,23 @@ def test_long_jobs_are_queued_ahead_of_the_others_in_their_order():
     assert [job["name"] for job in pool.queued] == ["b", "d", "a", "c"]
 
 
-def test_jobs_of_one_class_never_run_side_by_side():
-    pool = _pool([{"name": "x1", "one_at_a_time": "x"}, None, None, None])
-    for name, cls in (("x2", "x"), ("y1", "y"), ("y2", "y"), ("z", None)):
-        pool.queued.append({"name": name, "one_at_a_time": cls})
+def test_the_first_job_of_a_class_runs_alone_and_the_others_side_by_side_after_it():
+    pool = _pool([{"name": "x1", "kernel_class": "x"}, None, None, None, None])
+    for name, cls in (("x2", "x"), ("x3", "x"), ("y1", "y"), ("y2", "y"), ("z", None)):
+        pool.queued.append({"name": name, "kernel_class": cls})
     pool._dispatch()
-    given = [process.stdin.lines[0]["name"] for process, job in pool.current.items() if process.stdin.lines]
-    assert given == ["y1", "z"] and [job["name"] for job in pool.queued] == ["x2", "y2"]
-    first = next(iter(pool.current))
-    pool.current[first] = None  # x1 done: x2 may go
+    x_holder, y_holder, z_holder, free, other_free = pool.current
+    assert [p.stdin.lines for p in (y_holder, z_holder, free)] == [[{"name": "y1", "kernel_class": "y"}],
+                                                                   [{"name": "z", "kernel_class": None}], []]
+    assert [job["name"] for job in pool.queued] == ["x2", "x3", "y2"]  # x1 and y1 run: their classes wait
+    pool._ended(z_holder, {"name": "z", "seconds": 1.0})  # a job without a class opens none
     pool._dispatch()
-    assert first.stdin.lines == [{"name": "x2", "one_at_a_time": "x"}] and pool.queued[0]["name"] == "y2"
+    assert [job["name"] for job in pool.queued] == ["x2", "x3", "y2"]
+    pool._ended(x_holder, {"name": "x1", "seconds": 4.0})  # x compiled: x2 and x3 go at once
+    pool._dispatch()
+    assert [x_holder.stdin.lines[-1]["name"], z_holder.stdin.lines[-1]["name"]] == ["x2", "x3"]
+    assert [job["name"] for job in pool.queued] == ["y2"] and not free.stdin.lines
+    assert pool.results == [{"name": "z", "seconds": 1.0}, {"name": "x1", "seconds": 4.0}]
 
 
 def test_the_outcome_names_the_longest_job(tmp_path):
