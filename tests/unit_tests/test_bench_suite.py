@@ -64,7 +64,7 @@ def _model_args(name: str):
 def test_every_models_flags_parse(name):
     args = _model_args(name)
     assert args.flash_attention_version == 4 and not args.bench_default_first
-    assert args.hidden_size == (2560 if name == "qwen3_4b_long" else 2048)
+    assert args.hidden_size == (2560 if name.startswith("qwen3_4b_long") else 2048)
 
 
 def test_the_long_context_model_decodes_at_4k_to_8k_with_the_engine_alone():
@@ -111,6 +111,31 @@ def test_a_generation_only_profile_has_no_trainer_ratios_and_says_so():
     assert suite.markdown_table(report).splitlines()[2].startswith(
         "| qwen3_4b_long | not measured | not measured | 1.25x | 30.00 / 30.00 ms |")
     assert suite.headline({"qwen3_4b_long": model})["trainer_ratio_long"] is None
+
+
+def _planned_gib(name: str, tokens: int) -> tuple[float, float]:
+    """The planner's weights + the engine's cache + the parity check's forward of `tokens` packed
+    tokens (autograd on), in GiB, and the KV cache that the model's requests need at their longest."""
+    from megatron_rl_bi.config.from_args import model_shape_from_args
+    from megatron_rl_bi.memory import GIB, Recompute, activation_bytes, parameter_count
+
+    args = _model_args(name)
+    shape = model_shape_from_args(args, args.bench_vocab_size)
+    recompute = Recompute(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
+    cache = args.inference_dynamic_batching_buffer_size_gb * GIB  # megatron-core's "GB" are GiB
+    planned = parameter_count(shape) * 2 + cache + activation_bytes(shape, tokens, recompute)
+    # K and V of every layer's KV heads, bf16, for each request at its longest prompt and all its new tokens
+    needed = (args.bench_requests * (args.bench_prompt_tokens[1] + args.bench_new_tokens)
+              * args.num_layers * args.num_query_groups * args.kv_channels * 2 * 2)
+    return planned / GIB, needed / cache
+
+
+def test_the_long_decode_for_an_h100_fits_it_with_a_cache_for_its_requests():
+    args = _model_args("qwen3_4b_long_h100")
+    assert args.bench_requests == 32 and args.bench_prompt_tokens == [4096, 8064]
+    planned_gib, needed_share = _planned_gib("qwen3_4b_long_h100", 16384)
+    assert planned_gib < 0.9 * 79.2  # an H100's 79.2 GiB
+    assert needed_share < 0.9  # every request's cache at its longest, with room to spare
 
 
 def test_the_long_workloads_parity_check_fits_an_h200_beside_the_engines_cache():
