@@ -161,8 +161,8 @@ def ratios(fresh: dict, warm: dict) -> dict:
            "first_record_fresh_over_warm": fresh["first_record_s"] / warm["first_record_s"],
            "wall_fresh_minus_warm_s": fresh["wall_s"] - warm["wall_s"],
            "first_record_fresh_minus_warm_s": fresh["first_record_s"] - warm["first_record_s"]}
-    for phase in fresh["startup"].keys() & warm["startup"].keys():  # None where it took no time (default
-        warm_s = warm["startup"][phase]                                 # mode: no compile ahead)
+    for phase in fresh["startup"].keys() & warm["startup"].keys():
+        warm_s = warm["startup"][phase]  # None where it took no time (default mode: no compile ahead)
         out[f"{phase.removeprefix('time/')}_fresh_over_warm"] = fresh["startup"][phase] / warm_s if warm_s else None
     for name, run in (("fresh", fresh), ("warm", warm)):
         if run["later_steps_median"]:

@@ -113,9 +113,9 @@ def test_a_generation_only_profile_has_no_trainer_ratios_and_says_so():
     assert suite.headline({"qwen3_4b_long": model})["trainer_ratio_long"] is None
 
 
-def _planned_gib(name: str, tokens: int) -> tuple[float, float]:
+def _planned_gib(name: str, tokens: int) -> float:
     """The planner's weights + the engine's cache + the parity check's forward of `tokens` packed
-    tokens (autograd on), in GiB, and the KV cache that the model's requests need at their longest."""
+    tokens (autograd on) for the suite's model `name`, in GiB."""
     from megatron_rl_bi.config.from_args import model_shape_from_args
     from megatron_rl_bi.memory import GIB, Recompute, activation_bytes, parameter_count
 
@@ -123,19 +123,19 @@ def _planned_gib(name: str, tokens: int) -> tuple[float, float]:
     shape = model_shape_from_args(args, args.bench_vocab_size)
     recompute = Recompute(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
     cache = args.inference_dynamic_batching_buffer_size_gb * GIB  # megatron-core's "GB" are GiB
-    planned = parameter_count(shape) * 2 + cache + activation_bytes(shape, tokens, recompute)
-    # K and V of every layer's KV heads, bf16, for each request at its longest prompt and all its new tokens
-    needed = (args.bench_requests * (args.bench_prompt_tokens[1] + args.bench_new_tokens)
-              * args.num_layers * args.num_query_groups * args.kv_channels * 2 * 2)
-    return planned / GIB, needed / cache
+    return (parameter_count(shape) * 2 + cache + activation_bytes(shape, tokens, recompute)) / GIB
 
 
 def test_the_long_decode_for_an_h100_fits_it_with_a_cache_for_its_requests():
+    from megatron_rl_bi.memory import GIB
+
     args = _model_args("qwen3_4b_long_h100")
     assert args.bench_requests == 32 and args.bench_prompt_tokens == [4096, 8064]
-    planned_gib, needed_share = _planned_gib("qwen3_4b_long_h100", 16384)
-    assert planned_gib < 0.9 * 79.2  # an H100's 79.2 GiB
-    assert needed_share < 0.9  # every request's cache at its longest, with room to spare
+    assert _planned_gib("qwen3_4b_long_h100", 16384) < 0.9 * 79.2  # an H100's 79.2 GiB
+    # K and V of every layer's KV heads, bf16, for each request at its longest prompt and all its new tokens
+    longest = (args.bench_requests * (args.bench_prompt_tokens[1] + args.bench_new_tokens)
+               * args.num_layers * args.num_query_groups * args.kv_channels * 2 * 2)
+    assert longest < 0.9 * args.inference_dynamic_batching_buffer_size_gb * GIB  # with room to spare
 
 
 def test_the_long_workloads_parity_check_fits_an_h200_beside_the_engines_cache():
@@ -144,14 +144,11 @@ def test_the_long_workloads_parity_check_fits_an_h200_beside_the_engines_cache()
     the H200 (139.8 GiB). Without recompute the plan is 138.2 GiB at the 12,288-token micro-batch where
     the bench ran out of memory at 4af7568 (torch: 138.17 GiB allocated), 160 GiB at 16K tokens."""
     from megatron_rl_bi.config.from_args import model_shape_from_args
-    from megatron_rl_bi.memory import GIB, Recompute, activation_bytes, parameter_count
+    from megatron_rl_bi.memory import GIB, Recompute, activation_bytes
 
+    assert _planned_gib("qwen3_4b_long", 16384) < 0.9 * 139.8
     args = _model_args("qwen3_4b_long")
     shape = model_shape_from_args(args, args.bench_vocab_size)
-    recompute = Recompute(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
-    activations = activation_bytes(shape, 16384, recompute)
-    total = parameter_count(shape) * 2 + args.inference_dynamic_batching_buffer_size_gb * GIB + activations
-    assert total < 0.9 * 139.8 * GIB
     assert activation_bytes(shape, 16384, Recompute()) > 60 * GIB  # what ran out of memory
 
 
