@@ -38,7 +38,7 @@ def in_repository(commit: str, repo: pathlib.Path = REPO) -> bool:
 
 def stamp_problems(path: str, repo: pathlib.Path = REPO) -> list[str]:
     """Why each stamp of result file `path` does not tie it to a clean commit's code (the
-    checkout's commit, or the declared one where the tree had no `.git`)."""
+    declared commit where one was, else the checkout's)."""
     problems = []
     for stamp in read_stamps(path):
         commit, stamped = stamped_commit(stamp), stamp.get("source_hash")

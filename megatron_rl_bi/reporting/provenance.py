@@ -5,7 +5,7 @@ changes) and by content (`source_hash`, a hash of the package's source files as 
 disk). The hash ties a result to code with or without `.git` (a copy of the tree on another
 machine may carry a stale one, or none: the H200's copies carry the session's first commit): `python tools/source_hash.py --commit C` computes it
 for a commit, to check a result's stamp. A commit given in $GIT_COMMIT is recorded as declared,
-beside what the checkout says, never instead of it.
+beside what the checkout says; a check reads the declared one where there is one.
 """
 
 import datetime
@@ -49,8 +49,11 @@ def _git(*command: str) -> str:
 
 def git_commit() -> str:
     """HEAD of the checkout, with '-dirty' if tracked files have local changes; 'unknown'
-    without git or a checkout."""
+    without git or a checkout, or where the tree is a copy inside another checkout (an older
+    commit's tree under an ignored folder: that checkout's HEAD names other code)."""
     try:
+        if pathlib.Path(_git("rev-parse", "--show-toplevel")).resolve() != REPO.resolve():
+            return "unknown"
         dirty = _git("status", "--porcelain", "--untracked-files=no")
         return _git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
@@ -78,12 +81,11 @@ def provenance() -> dict:
 
 
 def stamped_commit(stamp: dict) -> str:
-    """The commit a stamp names: the checkout's when clean, else the one declared in $GIT_COMMIT
-    (a copy of the tree with no `.git`, or a stale one), which the stamp's source hash then has to
-    match (tools/source_hash.py)."""
-    commit = stamp.get("git_commit", "unknown")
-    unclean = commit == "unknown" or commit.endswith("-dirty")
-    return stamp.get("declared_commit", commit) if unclean else commit
+    """The commit a stamp names: the one declared in $GIT_COMMIT where one was, else the
+    checkout's. The stamp's source hash has to match it (tools/source_hash.py), so a declaration
+    is checked, not trusted; it wins because git can name other code than what ran (a copy with a
+    stale `.git`, or one inside another checkout, stamped before git_commit saw that)."""
+    return stamp.get("declared_commit", stamp.get("git_commit", "unknown"))
 
 
 def read_stamps(path: str) -> list[dict]:

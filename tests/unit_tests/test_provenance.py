@@ -75,6 +75,7 @@ def test_stamps_are_checked_against_their_commit(tree, tmp_path_factory):
                                         "source_hash": "1" * 64},
               "bad.json": {"git_commit": commit, "source_hash": "0" * 64},
               "dirty.json": {"git_commit": commit + "-dirty", "source_hash": source_hash(tree)},
+              "nested.json": {"git_commit": "0" * 40, "declared_commit": commit, "source_hash": source_hash(tree)},
               "old.json": {"git_commit": commit}}
     for name, stamp in stamps.items():
         (files / name).write_text(json.dumps({**stamp, "result": 1}))
@@ -82,6 +83,7 @@ def test_stamps_are_checked_against_their_commit(tree, tmp_path_factory):
         {"run": stamps["good.json"]}, {"step": 1}, {"run": stamps["bad.json"]}, {"step": 2})))
     problems = {name: tool.stamp_problems(str(files / name), tree) for name in [*stamps, "two.jsonl"]}
     assert problems["good.json"] == problems["declared.json"] == problems["stale_git.json"] == []
+    assert problems["nested.json"] == []  # a clean checkout's HEAD that named other code
     assert problems["declared_wrongly.json"][0].endswith(f"is not {commit[:12]}'s ({source_hash(tree)[:12]})")
     assert problems["bad.json"] == [f"{files}/bad.json: source_hash 000000000000 is not "
                                     f"{commit[:12]}'s ({source_hash(tree)[:12]})"]
@@ -105,6 +107,20 @@ def test_a_declared_commit_is_recorded_as_declared(monkeypatch, tree):
     assert stamp["source_hash"] == source_hash(tree)
     (tree / "megatron_rl_bi" / "a.py").write_text("A = 4\n")
     assert provenance.git_commit() == _git(tree, "rev-parse", "HEAD") + "-dirty"
+
+
+def test_a_copy_inside_another_checkout_has_no_commit_of_its_own(monkeypatch, tree):
+    copy = tree / "ignored" / "older"
+    (copy / "megatron_rl_bi").mkdir(parents=True)
+    (copy / "megatron_rl_bi" / "a.py").write_text("A = 0\n")
+    (tree / ".gitignore").write_text("ignored/\n")
+    _git(tree, "add", ".gitignore")
+    _git(tree, "commit", "-q", "-m", "ignore")
+    monkeypatch.setattr(provenance, "REPO", copy)
+    monkeypatch.setenv("GIT_COMMIT", "f00d")
+    stamp = provenance.provenance()
+    assert stamp["git_commit"] == "unknown" and stamped_commit(stamp) == "f00d"
+    assert stamp["source_hash"] == source_hash(copy) != source_hash(tree)
 
 
 def test_outside_a_checkout_the_commit_is_unknown_and_the_hash_still_names_the_code(monkeypatch, tree):
