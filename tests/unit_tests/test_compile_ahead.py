@@ -175,6 +175,9 @@ def test_workers_start_on_a_gpu_machine_in_its_first_process_only(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     started = compile_workers.start_compile_workers(["--rl-compile-ahead-workers", "2"])
     assert len(started.processes) == 2
+    for name in ("first", "second"):  # each worker past its imports (a loaded host's took over 10 s)
+        started.submit({"kind": "unknown", "name": name})
+    started.wait(timeout=300)
     started.close()
     assert all(process.returncode == 0 for process in started.processes)  # ended by their input's end
     assert compile_workers.start_compile_workers(["--rl-compile-ahead-workers", "0"]) is None
