@@ -3,11 +3,11 @@
 A forward and backward of the policy on made-up packed batches in which nothing compiles or
 launches: Triton's `jit_cache_hook` sends each new launch's specialization to the compile workers
 (compiling/workers.py) and skips it, and each FlashAttention-4 call is sent with its shapes and
-answered with an empty tensor; before them, the engine's FlashAttention-4 calls, made by
-megatron-core's own decode-and-prefill attention on a made-up paged cache. What the pass computes
-is garbage and goes nowhere: no gradient is synchronized (DDP's no_sync), the gradient buffer is
-zeroed after, the RNG states are restored, and autotuners keep no pick
-(bi.autotune.picks_not_kept). Once the workers are done, the run's first step loads their kernels
+answered with an empty tensor; before them, the engine's kernels: its FlashAttention-4 calls,
+made by megatron-core's own decode-and-prefill attention on a made-up paged cache, its KV appends
+and GDN state stores. What the pass computes is garbage and goes nowhere: no gradient is
+synchronized (DDP's no_sync), the gradient buffer is zeroed after, the RNG states are restored,
+and autotuners keep no pick (bi.autotune.picks_not_kept). Once the workers are done, the run's first step loads their kernels
 (and Triton's launchers for them) from Triton's and FlashAttention-4's disk caches.
 
 BI mode only: there an autotuner tries its candidates in order, untimed (bi/autotune.py); in
@@ -19,6 +19,7 @@ import itertools
 import json
 
 import torch
+from megatron.core.inference.contexts.fused_kv_append_kernel import triton_append_key_value_cache
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer import attention as megatron_attention
 from megatron.core.utils import unwrap_model
@@ -27,6 +28,7 @@ from triton.runtime import driver
 
 from megatron_rl_bi.attention.flash import FlashCoreAttention
 from megatron_rl_bi.bi import autotune
+from megatron_rl_bi.models.gdn import SwitchedGatedDeltaNet
 from megatron_rl_bi.models.logprobs import forward_logprobs
 from megatron_rl_bi.packing import PackedBatch, pack_sequences
 
@@ -169,15 +171,57 @@ def send_engine_attention(model: torch.nn.Module, sender: KernelSender, block_si
     if not layers:  # FlashAttention-3's kernels come compiled; megatron-core then has no FA4 function
         return
     width = -(-max_length // block_size)
-    with _engine_flash_attention_sent(sender), torch.no_grad():
+    with _engine_flash_attention_sent(sender), torch.no_grad(), _in_eval(layers):
         for layer in layers:
-            training = layer.training
-            layer.eval()
-            try:
-                for step in engine_steps(max_length):
-                    _engine_step_attention(layer, *step, block_size, width)
-            finally:
-                layer.train(training)
+            for step in engine_steps(max_length):
+                _engine_step_attention(layer, *step, block_size, width)
+
+
+# The token counts of an engine step's KV append: one, a multiple of 16 and another, which Triton
+# compiles apart.
+APPENDED_TOKENS = (1, 16, 17)
+
+
+def _engine_kv_append(layer, tokens: int, block_size: int) -> None:
+    """megatron-core's KV append (an engine step's keys and values into its paged cache) of
+    `tokens` tokens of `layer`, into a made-up cache of one page: a layer's slice of the engine's
+    cache has the same strides whatever its page count."""
+    device, dtype = torch.cuda.current_device(), layer.config.params_dtype
+    heads = (layer.num_query_groups_per_partition, layer.hidden_size_per_attention_head)
+    key, value = (torch.empty(tokens, 1, *heads, dtype=dtype, device=device) for _ in "kv")
+    cache = torch.empty(2, 1, 1, block_size, *heads, dtype=dtype, device=device)
+    pages = torch.zeros(tokens, dtype=torch.int64, device=device)
+    positions = torch.zeros(tokens, dtype=torch.int32, device=device)
+    triton_append_key_value_cache(0, key, value, cache, tokens, pages, positions)
+
+
+def send_engine_kernels(model: torch.nn.Module, sender: KernelSender, block_size: int, max_length: int) -> None:
+    """The kernels the engine launches and the trainer never does, sent: its FlashAttention-4
+    calls (send_engine_attention), each attention layer's KV append, each GDN layer's state
+    stores (SwitchedGatedDeltaNet.dry_state_stores); made-up tensors, in eval mode."""
+    send_engine_attention(model, sender, block_size, max_length)
+    modules = list(unwrap_model(model).modules())
+    attention = [m for m in modules if isinstance(m, megatron_attention.Attention)]
+    gdn = [m for m in modules if isinstance(m, SwitchedGatedDeltaNet)]
+    with torch.no_grad(), _in_eval(attention + gdn):
+        for layer in attention:
+            for tokens in APPENDED_TOKENS:
+                _engine_kv_append(layer, tokens, block_size)
+        for layer in gdn:
+            layer.dry_state_stores(torch.cuda.current_device())
+
+
+@contextlib.contextmanager
+def _in_eval(layers: list):
+    """`layers` in eval mode, each put back in its own mode after."""
+    training = [layer.training for layer in layers]
+    for layer in layers:
+        layer.eval()
+    try:
+        yield
+    finally:
+        for layer, mode in zip(layers, training):
+            layer.train(mode)
 
 
 def flash_attention_4_cores(model: torch.nn.Module) -> list[FlashCoreAttention]:
@@ -213,8 +257,8 @@ def _rng_kept():
 def compile_ahead(ddp, workers, vocab_size: int, max_length: int, engine_pages: tuple[int, int] | None = None
                   ) -> dict | None:
     """Every rank runs the pass (its collectives meet); `workers` (this node's first rank's, else
-    None) compile what it sends: the engine's attention first when it runs in this process
-    (`engine_pages`: its KV block size and longest request), then the trainer's kernels. Returns
+    None) compile what it sends: the engine's kernels first when it runs in this process
+    (`engine_pages`: its KV block size and longest request), then the trainer's. Returns
     the workers' outcome (compiling.workers.CompileWorkers.wait), None without workers, after
     every rank has waited for it."""
     sender = KernelSender(workers, driver.active.get_current_target())
@@ -222,7 +266,7 @@ def compile_ahead(ddp, workers, vocab_size: int, max_length: int, engine_pages: 
     try:
         with _rng_kept(), autotune.picks_not_kept(), sending(flash_attention_4_cores(ddp), sender), ddp.no_sync():
             if engine_pages is not None:
-                send_engine_attention(ddp, sender, *engine_pages)
+                send_engine_kernels(ddp, sender, *engine_pages)
             for batch in dry_batches(vocab_size, max_length):
                 logprobs, _ = forward_logprobs(ddp, batch.to(torch.cuda.current_device()))
                 logprobs.sum().backward()

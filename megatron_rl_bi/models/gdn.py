@@ -105,8 +105,7 @@ class SwitchedGatedDeltaNet(GatedDeltaNet):
             hidden_states[:real, 0], cu_seqlens, conv_state[slots], rule_state[slots],
             recurrent=self._recurrent(decode_only=num_prefill == 0),
         )
-        tensor_masked_update(conv_state, slots, conv_final)
-        tensor_masked_update(rule_state, slots, rule_final)
+        self._store_states(conv_state, rule_state, slots, conv_final, rule_final)
         padded = out.new_zeros(hidden_states.shape[0], 1, out.shape[-1])
         padded[:real, 0] = out
         return padded, bias
@@ -128,9 +127,32 @@ class SwitchedGatedDeltaNet(GatedDeltaNet):
             hidden_states[:, 0], cu_seqlens, conv_state[rows], rule_state[rows],
             recurrent=self._recurrent(decode_only=True), chunk_indices=chunk_indices,
         )
+        self._store_states(conv_state, rule_state, slots, conv_final, rule_final)
+        return out.unsqueeze(1), bias
+
+    @staticmethod
+    def _store_states(conv_state, rule_state, slots, conv_final, rule_final):
+        """Each request's final states into its slot of the engine's states (slot -1: dropped)."""
         tensor_masked_update(conv_state, slots, conv_final)
         tensor_masked_update(rule_state, slots, rule_final)
-        return out.unsqueeze(1), bias
+
+    def dry_state_stores(self, device) -> None:
+        """The engine steps' state stores on made-up tensors, for compile ahead
+        (models/compile_ahead.py, whose Triton hook sends the launches instead of running them):
+        the trainer's forward never stores states. The final states come from `_varlen_core`, as
+        in an engine step (their layouts are its outputs'), the states are laid out as one layer's
+        of the engine's slots; the slots as an eager step makes them (a new int64 tensor) and as a
+        graphed step reads them (a view into the engine's bookkeeping buffer, aligned to 8 bytes,
+        so at 16 or not: Triton compiles a pointer's two alignments apart)."""
+        like = torch.empty(0, dtype=self.config.params_dtype, device=device)
+        conv_state, rule_state = self._zero_states(2, like)
+        tokens = like.new_empty(9, self.config.hidden_size)
+        cu_seqlens = torch.tensor([0, 1, 9], dtype=torch.int32, device=device)  # a decode, a prefill
+        _, _, conv_final, rule_final = self._varlen_core(tokens, cu_seqlens, conv_state, rule_state,
+                                                         recurrent=self._recurrent(decode_only=False))
+        buffer = torch.zeros(3, dtype=torch.int64, device=device)
+        for slots in (buffer[:2], buffer[1:]):
+            self._store_states(conv_state, rule_state, slots, conv_final, rule_final)
 
     @staticmethod
     def _recurrent(decode_only: bool) -> bool:

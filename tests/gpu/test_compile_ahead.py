@@ -2,7 +2,8 @@
 forwards and backwards of other batches compile nothing themselves, Triton's kernels, their
 launchers nor FlashAttention-4's: it loads them all from the disk caches the workers wrote; and
 the engine's generations (a prefill of a long prompt with short ones, of short ones alone, their
-decode steps) compile no FlashAttention-4 kernel. A process of its own with empty caches (a test
+decode steps) compile no FlashAttention-4 kernel, nor a Triton one (its KV appends and GDN state
+stores were sent too). A process of its own with empty caches (a test
 process has compiled kernels in memory already)."""
 
 import json
@@ -91,6 +92,7 @@ def test_after_the_pass_training_compiles_nothing_itself(tmp_path):
     assert result["step"]["time/triton_cache_loads"] > 10
     assert result["fa4_before"] and result["fa4_after"] == result["fa4_before"]  # FA4 compiled nothing new
     assert result["fa4_after_generation"] == result["fa4_before"]  # nor for the engine
+    assert result["generation_compiled"] == [], result["generation"]  # nor the engine's Triton kernels
     # Where Triton builds its launchers from C (3.6), the workers built them, and training none.
     assert bool(result["launchers_before"]) == result["launchers_built_from_c"]
     assert result["launchers_after"] == result["launchers_before"]

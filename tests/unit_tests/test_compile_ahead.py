@@ -465,6 +465,20 @@ def test_the_pass_leaves_no_trace(cpu_pass, monkeypatch):
     assert module.autotune._keep_picks
 
 
+def test_the_engines_kernels_are_sent_first_where_the_engine_runs_in_the_process(cpu_pass, monkeypatch):
+    module, _ = cpu_pass
+    sent = []
+    monkeypatch.setattr(module, "send_engine_kernels", lambda ddp, sender, *pages: sent.append(pages))
+    monkeypatch.setattr(module, "forward_logprobs", lambda model, batch: (sent.append("batch") or
+                                                                          model.weight.sum().unsqueeze(0), None))
+    workers = type("Workers", (), {"wait": lambda self: {"jobs": 0}, "submit": lambda self, job: None})()
+    module.compile_ahead(FakeDDP(), workers, vocab_size=50, max_length=64, engine_pages=(256, 1024))
+    assert sent == [(256, 1024)] + ["batch"] * len(module.DRY_SHAPES)
+    sent.clear()
+    module.compile_ahead(FakeDDP(), workers, vocab_size=50, max_length=64)  # an engine in processes of its own
+    assert sent == ["batch"] * len(module.DRY_SHAPES)
+
+
 def test_a_pass_that_fails_still_zeroes_the_gradients_and_puts_everything_back(cpu_pass, monkeypatch):
     from triton import knobs
 
@@ -518,6 +532,33 @@ def test_the_engines_attention_is_sent_from_megatron_cores_own_call(monkeypatch)
         assert job["tensors"]["k"] == {"shape": [8, 256, 2, 64], "stride": [32768, 128, 64, 1], "dtype": "bfloat16"}
         assert job["kwargs"]["page_table"]["values"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # 1,024 tokens: 4 pages
         assert job["kwargs"]["num_splits"] == 1 and job["kwargs"]["causal"] is True
+
+
+def test_each_attention_layers_kv_append_is_sent_at_each_token_count_class(monkeypatch):
+    """megatron-core's KV append of each attention layer (FlashAttention-4's or not), at one token,
+    a multiple of 16 and another, into a cache whose layer slice has the strides of the engine's
+    (megatron-core's memory buffer: key and value, layers, pages, page, groups, channels), with
+    the bookkeeping's index dtypes; the layers' modes put back."""
+    from megatron.core.transformer import attention as megatron_attention
+
+    from megatron_rl_bi.models import compile_ahead
+
+    monkeypatch.setattr(megatron_attention, "HAVE_FA4", True)
+    monkeypatch.setattr(megatron_attention, "flash_attn4_varlen_func", "FlashAttention-4", raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    appends = []
+    monkeypatch.setattr(compile_ahead, "triton_append_key_value_cache", lambda *args: appends.append(args))
+    layers = [_attention_layer(megatron_attention), _attention_layer(megatron_attention)]
+    layers[1].flash_attention_version = 3
+    model = torch.nn.Sequential(*layers).train()
+    compile_ahead.send_engine_kernels(model, KernelSender(RecordingWorkers(), TARGET), block_size=256, max_length=1024)
+    assert all(layer.training for layer in layers)
+    assert [args[4] for args in appends] == [1, 16, 17] * 2
+    engine_layer_slice = torch.empty(2, 3, 5, 256, 2, 64)[0, 1]
+    for layer_number, key, value, cache, tokens, pages, positions in appends:
+        assert key.shape == value.shape == (tokens, 1, 2, 64) and key.dtype == torch.bfloat16
+        assert cache[0, layer_number].stride() == engine_layer_slice.stride()
+        assert (pages.dtype, positions.dtype) == (torch.int64, torch.int32) and len(pages) == tokens
 
 
 def test_no_engine_call_is_longer_than_the_engine_takes():
