@@ -4,7 +4,8 @@ the wall time of every engine step of a generation timed alone (synchronized; th
 prefill), the same steps unsynchronized (the time between one step's return and the next's, the
 pace a caller's loop sees, with whatever host work async scheduling overlaps), the full-batch
 decode steps' medians of both (every request admitted and still active: `EngineStepHook`) and
-their fraction of the HBM roofline (the bytes each step reads, its requests' contexts counted),
+their fraction of the HBM roofline (the bytes each step reads, its requests' contexts counted, over
+the device-to-device copy rate measured on the device in the same run, before the model is built),
 torch-profiler tables (self CPU and self GPU time per op, per step) of the first PROFILED_STEPS
 full-batch decode steps and of a packed trainer forward+backward, a cProfile table of those decode
 steps' Python functions (own and cumulative time per step), and the RL update's time (32
@@ -37,7 +38,8 @@ from bench.workload import (  # noqa: E402
 from megatron_rl_bi import bi  # noqa: E402
 from megatron_rl_bi.models.build import cpu_state_dict  # noqa: E402
 
-HBM_BYTES_PER_S = 4.3e12  # H200: a device-to-device copy measured there (the datasheet says 4.8e12)
+COPY_BYTES = 2**30  # far above the L2 cache (50 MB on an H100 or H200): the copy reads and writes HBM
+COPY_REPEATS = 9  # odd: the median is one copy's time
 PROFILED_STEPS = 8  # the profilers' window: a generation's first full-batch decode steps
 TIMED_GENERATIONS = 3  # the generation time is their median: one host hiccup moves a single run
 
@@ -186,9 +188,37 @@ def decode_bytes(args, work: Workload, context_tokens: int) -> float:
     return weights + attention_layers * context_tokens * kv_per_token + gdn
 
 
-def roofline_fraction(step_bytes: list[float], step_seconds: list[float]) -> float:
-    """The steps' median bytes read a second, as a fraction of HBM_BYTES_PER_S."""
-    return statistics.median(b / t for b, t in zip(step_bytes, step_seconds)) / HBM_BYTES_PER_S
+def copy_rate(copy_bytes: int, copy_seconds: list[float]) -> float:
+    """Bytes a second of copies of `copy_bytes`, each read and written (2 x), at the copies' median
+    time: one copy slowed by something else on the machine does not move it."""
+    return 2 * copy_bytes / statistics.median(copy_seconds)
+
+
+def measure_copy_rate() -> float:
+    """The current CUDA device's HBM roofline: COPY_REPEATS device-to-device copies of COPY_BYTES
+    after a warm-up, each timed with CUDA events. The buffers are freed and given back to the
+    device before the model is built, so the model and its KV cache find the memory as before.
+    An H200 measured 4.3e12 bytes a second by a device-to-device copy (its datasheet: 4.8e12): the
+    constant roofline of the files made before each run measured its own."""
+    source = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    destination = torch.empty_like(source)
+    destination.copy_(source)  # warm-up
+    copy_seconds = []
+    for _ in range(COPY_REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        destination.copy_(source)
+        end.record()
+        end.synchronize()
+        copy_seconds.append(start.elapsed_time(end) / 1e3)
+    del source, destination
+    torch.cuda.empty_cache()
+    return copy_rate(COPY_BYTES, copy_seconds)
+
+
+def roofline_fraction(step_bytes: list[float], step_seconds: list[float], copy_bytes_per_s: float) -> float:
+    """The steps' median bytes read a second, as a fraction of the device's copy rate."""
+    return statistics.median(b / t for b, t in zip(step_bytes, step_seconds)) / copy_bytes_per_s
 
 
 def trainer_times(args, work: Workload) -> dict:
@@ -205,6 +235,7 @@ def trainer_times(args, work: Workload) -> dict:
 
 
 def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
+    copy_bytes_per_s = measure_copy_rate()  # before the model and its cache take the memory
     with bi.batch_invariant(batch_invariant):
         work = build_workload(args, weights, trains=not args.bench_generation_only)
         hook = EngineStepHook(work.generator.engine)
@@ -227,7 +258,8 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
             "decode_interval_ms_median": statistics.median(paced_decode) * 1e3,
             "decode_tokens_per_s": len(work.prompts) / statistics.median(paced_decode),  # the pace a caller gets
             "decode_bytes_per_step": statistics.median(step_bytes),
-            "decode_hbm_roofline_fraction": roofline_fraction(step_bytes, decode_times),
+            "decode_hbm_roofline_fraction": roofline_fraction(step_bytes, decode_times, copy_bytes_per_s),
+            "hbm_copy_bytes_per_s": copy_bytes_per_s,
             "decode_ops": op_table(decode_profile, profiled_decode_steps, args.bench_op_rows),
             "decode_ops_steps": profiled_decode_steps,
             "decode_python": python_table(python_profile, hook.profiled_steps, args.bench_op_rows),
@@ -243,7 +275,7 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
 def main() -> None:
     args, report = run_modes(add_profile_args, measure)
     keys = ("prefill_ms", "decode_step_ms_median", "decode_interval_ms_median", "decode_hbm_roofline_fraction",
-            "train_fwd_bwd_s", "parity_max")
+            "hbm_copy_bytes_per_s", "train_fwd_bwd_s", "parity_max")
     write_report(report, {mode: {k: report[mode].get(k) for k in keys} for mode in ("bi", "default") if mode in report},
                  args.bench_output)
     check_bi_parity(report)

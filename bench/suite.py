@@ -161,6 +161,8 @@ def summarize(profile: dict) -> dict:
         "decode_roofline_fraction_bi": bi["decode_hbm_roofline_fraction"],
         "decode_gb_per_step": bi["decode_bytes_per_step"] / 1e9,
         "decode_roofline_fraction_default": default["decode_hbm_roofline_fraction"],
+        "hbm_copy_bytes_per_s_bi": bi["hbm_copy_bytes_per_s"],  # each mode's roofline, measured in its process
+        "hbm_copy_bytes_per_s_default": default["hbm_copy_bytes_per_s"],
         "train_fwd_bwd_s": {"bi": bi.get("train_fwd_bwd_s"), "default": default.get("train_fwd_bwd_s")},
         "rl_update_s": {"bi": bi.get("rl_update_s"), "default": default.get("rl_update_s")},
         "generate_s": {"bi": bi["generate_s"], "default": default["generate_s"]},
@@ -207,8 +209,8 @@ def headline(models: dict) -> dict:
 def markdown_table(report: dict) -> str:
     """Per model: the BI / default ratios, both decode steps (synchronized alone, and unsynchronized
     intervals where the file has them), BI's roofline fraction of each (the same bytes over the
-    step's time and over the interval's: the interval's from the medians), and the commit and
-    extra flags the numbers came from."""
+    step's time and over the interval's: the interval's from the medians); the commit and extra
+    flags the numbers came from, and the roofline's rate."""
     lines = ["| model | trainer fwd+bwd | RL update | generation | decode step BI / default "
              "| decode interval BI / default | bytes a decode step reads | BI decode, HBM roofline: step / interval |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -227,8 +229,19 @@ def markdown_table(report: dict) -> str:
     rounds = report.get("rounds", 1)
     medians = f", medians of {rounds} rounds" if rounds > 1 else ""
     lines.append(f"\nBI time / default time, {report['device']}, commit {report['git_commit'][:7]}, "
-                 f"extra flags: {flags}{medians}.")
+                 f"extra flags: {flags}{medians}. {roofline_caption(report['models'])}")
     return "\n".join(lines)
+
+
+def roofline_caption(models: dict) -> str:
+    """What the roofline fractions are of: the copy rate BI mode measured on the device in the run
+    (each model's median over its rounds), or in a file made before the runs measured it, the
+    H200's rate bench/profile_steps.py then held as a constant."""
+    rates = [f"{name} {m['hbm_copy_bytes_per_s_bi'] / 1e12:.2f} TB/s" for name, m in models.items()
+             if "hbm_copy_bytes_per_s_bi" in m]
+    if not rates:
+        return "HBM roofline: an H200's copy rate, 4.3 TB/s (a constant before the runs measured their own)."
+    return "HBM roofline: the copy rate measured in the run, " + ", ".join(rates) + "."
 
 
 def plot(models: dict, path: str) -> None:

@@ -25,7 +25,7 @@ suite = _module("bench/suite.py")
 bench_report = _module("bench/report.py")
 MODE = {"train_fwd_bwd_s": 1.0, "rl_update_s": 2.0, "generate_s": 4.0, "decode_step_ms_median": 30.0,
         "decode_interval_ms_median": 25.0, "decode_hbm_roofline_fraction": 0.02, "parity_max": 0.0,
-        "decode_bytes_per_step": 3.5e9}
+        "decode_bytes_per_step": 3.5e9, "hbm_copy_bytes_per_s": 4.0e12}
 
 
 def test_ratios_and_headline_keys():
@@ -43,13 +43,17 @@ def test_ratios_and_headline_keys():
 
 
 def test_rounds_take_medians_and_the_worst_parity():
-    rounds = [{"bi": {**MODE, "train_fwd_bwd_s": t, "parity_max": parity}, "default": MODE}
-              for t, parity in ((1.5, 0.0), (3.0, 0.25), (1.1, 0.0))]
+    rounds = [{"bi": {**MODE, "train_fwd_bwd_s": t, "parity_max": parity, "hbm_copy_bytes_per_s": rate},
+               "default": MODE}
+              for t, parity, rate in ((1.5, 0.0, 3.0e12), (3.0, 0.25, 2.0e12), (1.1, 0.0, 2.5e12))]
     summary = suite.summarize_rounds(rounds)
     assert summary["trainer_ratio"] == 1.5  # the median of 1.5, 3.0 and 1.1
     assert summary["train_fwd_bwd_s"] == {"bi": 1.5, "default": 1.0}
     assert summary["parity_max_bi"] == 0.25
     assert [r["trainer_ratio"] for r in summary["rounds"]] == [1.5, 3.0, 1.1]
+    # each round's roofline is the copy rate its own processes measured
+    assert (summary["hbm_copy_bytes_per_s_bi"], summary["hbm_copy_bytes_per_s_default"]) == (2.5e12, 4.0e12)
+    assert [r["hbm_copy_bytes_per_s_bi"] for r in summary["rounds"]] == [3.0e12, 2.0e12, 2.5e12]
     assert suite.summarize_rounds(rounds[:1]) == {**suite.summarize(rounds[0]), "rounds": [
         {k: v for k, v in suite.summarize(rounds[0]).items() if isinstance(v, float)}]}
 
@@ -76,13 +80,14 @@ def test_the_long_context_model_decodes_at_4k_to_8k_with_the_engine_alone():
 
 
 def test_markdown_table_from_a_report():
-    model = suite.summarize({"bi": {**MODE, "train_fwd_bwd_s": 1.5}, "default": MODE})
+    model = suite.summarize({"bi": {**MODE, "train_fwd_bwd_s": 1.5, "hbm_copy_bytes_per_s": 3.0e12}, "default": MODE})
     report = {"device": "NVIDIA H200", "git_commit": "0123456789abcdef", "extra_flags": "",
               "models": {"dense16": model}}
     assert suite.markdown_table(report).splitlines()[2] == (
         "| dense16 | 1.50x | 1.00x | 1.00x | 30.00 / 30.00 ms | 25.00 / 25.00 ms | 3.5 GB | 2.0% / 2.4% |")
     # the interval's fraction: the step's 2.0% of the roofline in 30 ms, the same bytes in 25 ms
-    assert "commit 0123456, extra flags: none." in suite.markdown_table(report)
+    assert "commit 0123456, extra flags: none. HBM roofline: the copy rate measured in the run, dense16 3.00 TB/s." \
+        in suite.markdown_table(report)  # BI mode's rate, whose fractions the table shows
     report["rounds"] = 3
     assert "extra flags: none, medians of 3 rounds." in suite.markdown_table(report)
 
@@ -241,9 +246,12 @@ def test_markdown_table_of_a_file_without_decode_intervals_or_bytes():
     old = {key: value for key, value in MODE.items() if key != "decode_interval_ms_median"}
     model = suite.summarize({"bi": old, "default": old})
     del model["decode_gb_per_step"]  # files written before the bytes were recorded
+    del model["hbm_copy_bytes_per_s_bi"], model["hbm_copy_bytes_per_s_default"]  # and before the copy rate was
     report = {"device": "NVIDIA H200", "git_commit": "0123456789abcdef", "extra_flags": "",
               "models": {"dense16": model}}
     assert "| 30.00 / 30.00 ms | not measured | not recorded | 2.0% / not measured |" in suite.markdown_table(report)
+    assert suite.markdown_table(report).endswith(
+        "HBM roofline: an H200's copy rate, 4.3 TB/s (a constant before the runs measured their own).")
 
 
 class _Clock:
@@ -387,7 +395,7 @@ def test_the_profilers_window_is_the_first_full_batch_decode_steps(profile_steps
     assert profiler.events == [("start", 4), ("stop", 9)] and hook.profiled_steps == 3
 
 
-def test_a_decode_steps_bytes_and_its_roofline_fraction_by_hand(profile_steps, monkeypatch):
+def test_a_decode_steps_bytes_and_its_roofline_fraction_by_hand(profile_steps):
     """Weights 2 x 8 x 2 B (the untied input embedding, 4 x 8 x 2 B, not counted); per context
     token 2 (K, V) x 2 groups x 4 channels x 2 B = 32 B in each of 3 attention layers."""
     model = torch.nn.Module()
@@ -398,9 +406,13 @@ def test_a_decode_steps_bytes_and_its_roofline_fraction_by_hand(profile_steps, m
     args = types.SimpleNamespace(untie_embeddings_and_output_weights=True, hybrid_layer_pattern=None)
     work = types.SimpleNamespace(model=model, prompts=[[1]] * 4)
     assert profile_steps.decode_bytes(args, work, 10) == 32 + 3 * 10 * 32
-    monkeypatch.setattr(profile_steps, "HBM_BYTES_PER_S", 100.0)
-    # 100, 150 and 600 bytes a second: the median, 150, over the bandwidth
-    assert profile_steps.roofline_fraction([100.0, 300.0, 600.0], [1.0, 2.0, 1.0]) == 1.5
+    # 100, 150 and 600 bytes a second: the median, 150, over the copy rate
+    assert profile_steps.roofline_fraction([100.0, 300.0, 600.0], [1.0, 2.0, 1.0], 100.0) == 1.5
+
+
+def test_the_copy_rate_counts_each_byte_read_and_written_at_the_median_copy(profile_steps):
+    # 1 GiB copies in 0.5, 4.0 (one slowed by something else) and 0.25 s: 2 GiB moved in the median 0.5 s
+    assert profile_steps.copy_rate(2**30, [0.5, 4.0, 0.25]) == 2**32
 
 
 def _tick(clock, seconds):
