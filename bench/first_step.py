@@ -44,6 +44,10 @@ PHASES = ("time/step_s", "time/generation_s", "time/training_s", "time/optimizer
 # the engine's build, the SFT warm-up (absent without one)
 STARTUP = ("time/startup_imports_s", "time/startup_model_s", "time/startup_compile_ahead_s",
            "time/startup_compile_ahead_wait_s", "time/startup_engine_s", "time/startup_sft_s")
+# Where the empty caches' compiles fall: compile ahead (its wait a part of it), the SFT warm-up and
+# the first step (PHASES' step_s); the imports and the later steps compile nothing, and what they
+# add to the whole run's difference is the runs' own spread
+COMPILING_STARTUP = ("time/startup_compile_ahead_s", "time/startup_sft_s")
 # Triton's compilations since the record before (each step record carries them)
 COMPILES = ("time/triton_compiles", "time/triton_compile_s", "time/triton_cache_loads")
 POLL_SECONDS = 0.2
@@ -153,14 +157,23 @@ def summarize(steps: dict[int, dict], wall_s: float, first_record_s: float, last
             if later else None}
 
 
+def compiling_seconds(run: dict) -> float:
+    """A run's seconds in the phases where compiles fall (COMPILING_STARTUP, the first step)."""
+    return sum(run["startup"].get(phase, 0.0) for phase in COMPILING_STARTUP) + run["first_step"]["time/step_s"]
+
+
 def ratios(fresh: dict, warm: dict) -> dict:
     """Fresh against warm (whole run, first record), as ratios and as the seconds the empty caches
-    add (a ratio grows when the run's fixed seconds shrink; the added seconds do not), and each
-    run's first step against its later ones."""
+    add (a ratio grows when the run's fixed seconds shrink; the added seconds do not), the latter
+    split into the phases where compiles fall and the rest (the runs' own spread), and each run's
+    first step against its later ones."""
+    compiling_s = compiling_seconds(fresh) - compiling_seconds(warm)
     out = {"wall_fresh_over_warm": fresh["wall_s"] / warm["wall_s"],
            "first_record_fresh_over_warm": fresh["first_record_s"] / warm["first_record_s"],
            "wall_fresh_minus_warm_s": fresh["wall_s"] - warm["wall_s"],
-           "first_record_fresh_minus_warm_s": fresh["first_record_s"] - warm["first_record_s"]}
+           "first_record_fresh_minus_warm_s": fresh["first_record_s"] - warm["first_record_s"],
+           "compiling_fresh_minus_warm_s": compiling_s,
+           "elsewhere_fresh_minus_warm_s": fresh["wall_s"] - warm["wall_s"] - compiling_s}
     for phase in fresh["startup"].keys() & warm["startup"].keys():
         warm_s = warm["startup"][phase]  # None where it took no time (default mode: no compile ahead)
         out[f"{phase.removeprefix('time/')}_fresh_over_warm"] = fresh["startup"][phase] / warm_s if warm_s else None

@@ -28,6 +28,7 @@ def test_ratios_by_hand():
     assert first_step.ratios(fresh, warm) == {
         "wall_fresh_over_warm": 3.0, "first_record_fresh_over_warm": 5.0,
         "wall_fresh_minus_warm_s": 200.0, "first_record_fresh_minus_warm_s": 160.0,
+        "compiling_fresh_minus_warm_s": 150.0, "elsewhere_fresh_minus_warm_s": 50.0,
         "fresh_first_over_later_step_s": 17.0, "fresh_first_over_later_generation_s": 9.75,
         "fresh_first_over_later_training_s": 26.2, "fresh_first_over_later_optimizer_s": 4.0,
         "warm_first_over_later_step_s": 2.0, "warm_first_over_later_generation_s": 2.0,
@@ -42,6 +43,8 @@ def test_the_start_ups_phases_fresh_over_warm_where_both_runs_have_them():
     warm = _run(60.0, 30.0, 3.0, 2.0, 1.0, 1.0, later, {"time/startup_model_s": 16.0, "time/startup_engine_s": 3.0,
                                                          "time/startup_compile_ahead_s": 0.0})
     got = first_step.ratios(fresh, warm)
+    # compiles fall in the SFT warm-up (18 s, none warm), compile ahead and the first step (6 against 3 s)
+    assert got["compiling_fresh_minus_warm_s"] == 21.0 and got["elsewhere_fresh_minus_warm_s"] == 9.0
     assert got["startup_model_s_fresh_over_warm"] == 1.25 and got["startup_engine_s_fresh_over_warm"] == 3.0
     assert "startup_sft_s_fresh_over_warm" not in got
     assert got["startup_compile_ahead_s_fresh_over_warm"] is None  # default mode: no pass, no ratio
