@@ -81,11 +81,15 @@ def provenance() -> dict:
 
 
 def stamped_commit(stamp: dict) -> str:
-    """The commit a stamp names: the one declared in $GIT_COMMIT where one was, else the
-    checkout's. The stamp's source hash has to match it (tools/source_hash.py), so a declaration
-    is checked, not trusted; it wins because git can name other code than what ran (a copy with a
-    stale `.git`, or one inside another checkout, stamped before git_commit saw that)."""
-    return stamp.get("declared_commit", stamp.get("git_commit", "unknown"))
+    """The commit a stamp names: the checkout's where it is clean and the declared one (from
+    $GIT_COMMIT) is none or its prefix, else the declared one. The stamp's source hash has to
+    match it (tools/source_hash.py), so a declaration is checked, not trusted; it wins over a
+    clean checkout's other commit because git can name other code than what ran (a copy inside
+    another checkout, stamped before git_commit saw that)."""
+    commit, declared = stamp.get("git_commit", "unknown"), stamp.get("declared_commit")
+    if declared is None or (commit.startswith(declared) and not commit.endswith("-dirty")):
+        return commit
+    return declared
 
 
 def read_stamps(path: str) -> list[dict]:

@@ -29,6 +29,7 @@ OTHER_PROGRAMS = {
     "--job-name": "sbatch", "--time": "sbatch", "--requeue": "sbatch", "--kill-on-bad-exit": "srun",
     "--test-report": "pytest (tests/conftest.py)",
     "--porcelain": "git status", "--untracked-files": "git status", "--format": "git archive",
+    "--show-toplevel": "git rev-parse", "--no-compile": "pip install (the device's staging)",
     **{flag: "bwrap (envs/sandbox.py)" for flag in (
         "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "--clearenv", "--uid", "--gid",
         "--hostname", "--setenv", "--symlink", "--ro-bind", "--proc", "--dev", "--size", "--tmpfs", "--perms",

@@ -76,6 +76,8 @@ def test_stamps_are_checked_against_their_commit(tree, tmp_path_factory):
               "bad.json": {"git_commit": commit, "source_hash": "0" * 64},
               "dirty.json": {"git_commit": commit + "-dirty", "source_hash": source_hash(tree)},
               "nested.json": {"git_commit": "0" * 40, "declared_commit": commit, "source_hash": source_hash(tree)},
+              "declared_short.json": {"git_commit": commit, "declared_commit": commit[:7],
+                                      "source_hash": source_hash(tree)},
               "old.json": {"git_commit": commit}}
     for name, stamp in stamps.items():
         (files / name).write_text(json.dumps({**stamp, "result": 1}))
@@ -84,6 +86,8 @@ def test_stamps_are_checked_against_their_commit(tree, tmp_path_factory):
     problems = {name: tool.stamp_problems(str(files / name), tree) for name in [*stamps, "two.jsonl"]}
     assert problems["good.json"] == problems["declared.json"] == problems["stale_git.json"] == []
     assert problems["nested.json"] == []  # a clean checkout's HEAD that named other code
+    assert problems["declared_short.json"] == []
+    assert stamped_commit(stamps["declared_short.json"]) == commit  # named in full
     assert problems["declared_wrongly.json"][0].endswith(f"is not {commit[:12]}'s ({source_hash(tree)[:12]})")
     assert problems["bad.json"] == [f"{files}/bad.json: source_hash 000000000000 is not "
                                     f"{commit[:12]}'s ({source_hash(tree)[:12]})"]
