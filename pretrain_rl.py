@@ -281,13 +281,14 @@ def compiling_ahead(args: argparse.Namespace) -> bool:
 
 
 def compile_kernels_ahead(args: argparse.Namespace, ddp, workers: CompileWorkers | None, vocab_size: int,
-                          engine: EngineConfig | None) -> tuple[float, float]:
-    """The trainer's kernels, and the attention of the `engine` on its module (None: generators
-    apart), compiled by the workers before the first step (models/compile_ahead.py), then the
-    workers ended; the seconds it took, and of them those spent waiting for the workers after the
-    pass. A failure is printed and leaves the kernels to the first step."""
+                          engine: EngineConfig | None) -> dict:
+    """The trainer's kernels, and those of the `engine` on its module (None: generators apart),
+    compiled by the workers before the first step (models/compile_ahead.py), then the workers
+    ended. Returns the first step's record fields: the seconds it took, of them those spent
+    waiting for the workers after the pass, and where the pass ran, the workers' jobs and their
+    compiling seconds summed. A failure is printed and leaves the kernels to the first step."""
     if not compiling_ahead(args):
-        return 0.0, 0.0
+        return {"time/startup_compile_ahead_s": 0.0, "time/startup_compile_ahead_wait_s": 0.0}
     started, outcome = time.perf_counter(), None
     try:
         if problem := compile_ahead_problem(ddp):
@@ -308,7 +309,11 @@ def compile_kernels_ahead(args: argparse.Namespace, ddp, workers: CompileWorkers
         print(f"compile ahead: {outcome['jobs']} kernels in {len(workers.processes)} processes "
               f"({outcome['compile_s']:.1f} s of compiling{longest}), {len(outcome['failed'])} failed{failed}; "
               f"waited {outcome['wall_s']:.1f} s", flush=True)
-    return time.perf_counter() - started, outcome["wall_s"] if outcome is not None else 0.0
+    record = {"time/startup_compile_ahead_s": time.perf_counter() - started,
+              "time/startup_compile_ahead_wait_s": outcome["wall_s"] if outcome is not None else 0.0}
+    if outcome is not None:
+        record.update({"compile_ahead/jobs": outcome["jobs"], "time/compile_ahead_workers_s": outcome["compile_s"]})
+    return record
 
 
 def train(inputs: RunInputs, bridge: Bridge | None, started: float, workers: CompileWorkers | None) -> None:
@@ -322,7 +327,7 @@ def train(inputs: RunInputs, bridge: Bridge | None, started: float, workers: Com
         lr_scheduler = build_lr_scheduler(args, optimizer)
         reference = build_reference_model(args, model) if args.grpo_kl_beta > 0 else None
         model_built = time.perf_counter()
-        compile_ahead_s, compile_ahead_wait_s = compile_kernels_ahead(
+        compile_ahead_record = compile_kernels_ahead(
             args, ddp, workers, inputs.vocab_size, inputs.engine_config if bridge is None else None)
         generator, compiled = None, time.perf_counter()
         if bridge is None:
@@ -337,8 +342,7 @@ def train(inputs: RunInputs, bridge: Bridge | None, started: float, workers: Com
         if logger:
             logger.add_to_next_record({"time/startup_imports_s": seconds_before_main(started),
                                        "time/startup_model_s": model_built - started,
-                                       "time/startup_compile_ahead_s": compile_ahead_s,
-                                       "time/startup_compile_ahead_wait_s": compile_ahead_wait_s,
+                                       **compile_ahead_record,
                                        "time/startup_engine_s": engine_built - compiled})
         run_rl(ddp=ddp, optimizer=optimizer, generator=generator, task=task, tokenizer=tokenizer,
                rollout_config=inputs.rollout_config,

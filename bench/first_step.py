@@ -50,6 +50,8 @@ STARTUP = ("time/startup_imports_s", "time/startup_model_s", "time/startup_compi
 COMPILING_STARTUP = ("time/startup_compile_ahead_s", "time/startup_sft_s")
 # Triton's compilations since the record before (each step record carries them)
 COMPILES = ("time/triton_compiles", "time/triton_compile_s", "time/triton_cache_loads")
+# Compile ahead's workers (the first record, where the pass ran): their jobs, their compiling summed
+COMPILE_AHEAD = ("compile_ahead/jobs", "time/compile_ahead_workers_s")
 POLL_SECONDS = 0.2
 
 
@@ -149,6 +151,7 @@ def summarize(steps: dict[int, dict], wall_s: float, first_record_s: float, last
             "first_step": {phase: steps[1][phase] for phase in PHASES},
             "startup": {phase: steps[1][phase] for phase in STARTUP if phase in steps[1]},
             "compiles_first_step": {key: steps[1][key] for key in COMPILES if key in steps[1]},
+            "compile_ahead": {key: steps[1][key] for key in COMPILE_AHEAD if key in steps[1]},
             "compiles_later_steps": {key: sum(r[key] for r in later if key in r) for key in COMPILES},
             "later_steps_s": later_steps_s,
             "between_records_beyond_steps_s": last_record_s - first_record_s - later_steps_s,

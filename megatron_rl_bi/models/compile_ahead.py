@@ -7,8 +7,9 @@ answered with an empty tensor; before them, the engine's kernels: its FlashAtten
 made by megatron-core's own decode-and-prefill attention on a made-up paged cache, its KV appends
 and GDN state stores. What the pass computes is garbage and goes nowhere: no gradient is
 synchronized (DDP's no_sync), the gradient buffer is zeroed after, the RNG states are restored,
-and autotuners keep no pick (bi.autotune.picks_not_kept). Once the workers are done, the run's first step loads their kernels
-(and Triton's launchers for them) from Triton's and FlashAttention-4's disk caches.
+and autotuners keep no pick (bi.autotune.picks_not_kept). Once the workers are done, the run's
+first step loads their kernels (and Triton's launchers for them) from Triton's and
+FlashAttention-4's disk caches.
 
 BI mode only: there an autotuner tries its candidates in order, untimed (bi/autotune.py); in
 default mode it would time launches that do not run.

@@ -656,12 +656,16 @@ COMPILE_KERNELS_AHEAD = textwrap.dedent("""
         found.append(pretrain_rl.compile_kernels_ahead(args, None, Workers(), 100, None))
     args.batch_invariant_mode = False
     found.append(pretrain_rl.compile_kernels_ahead(args, None, Workers(), 100, None))
-    print(json.dumps([[seconds >= 0, waited] for seconds, waited in found]))
+    for record in found:
+        assert record.pop("time/startup_compile_ahead_s") >= 0
+    print(json.dumps(found))
 """)
 
 
-def test_the_start_up_record_has_the_wait_for_the_workers_apart():
-    """compile_kernels_ahead's seconds, and of them the workers' wait (the outcome's); none
-    when the pass failed or did not run."""
+def test_the_start_up_record_has_the_wait_for_the_workers_and_their_work_apart():
+    """compile_kernels_ahead's record: its seconds, of them the workers' wait, and the workers'
+    jobs and compiling seconds (the outcome's); no wait and no work when the pass failed or did
+    not run."""
     found = json.loads(run_after_loading_pretrain_rl(COMPILE_KERNELS_AHEAD))
-    assert found == [[True, 2.5], [True, 0.0], [True, 0.0]]
+    ran = {"time/startup_compile_ahead_wait_s": 2.5, "compile_ahead/jobs": 3, "time/compile_ahead_workers_s": 4.0}
+    assert found == [ran, {"time/startup_compile_ahead_wait_s": 0.0}, {"time/startup_compile_ahead_wait_s": 0.0}]

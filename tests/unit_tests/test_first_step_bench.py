@@ -58,7 +58,8 @@ def _record(step, step_s, compiles=None, **more):
 
 
 def test_a_runs_summary_by_hand():
-    steps = {1: _record(1, 40.0, (30, 12.5, 2), **{"time/startup_model_s": 9.0}),
+    steps = {1: _record(1, 40.0, (30, 12.5, 2), **{"time/startup_model_s": 9.0, "compile_ahead/jobs": 57,
+                                                     "time/compile_ahead_workers_s": 85.5}),
              2: _record(2, 2.0, (4, 1.5, 0)), 3: _record(3, 4.0), 4: _record(4, 3.0, (1, 0.25, 3))}
     assert first_step.summarize(steps, 100.0, 60.0, 75.5) == {
         "wall_s": 100.0, "first_record_s": 60.0, "last_record_s": 75.5,
@@ -67,6 +68,7 @@ def test_a_runs_summary_by_hand():
         "startup": {"time/startup_model_s": 9.0},
         "compiles_first_step": {"time/triton_compiles": 30, "time/triton_compile_s": 12.5,
                                 "time/triton_cache_loads": 2},
+        "compile_ahead": {"compile_ahead/jobs": 57, "time/compile_ahead_workers_s": 85.5},
         "compiles_later_steps": {"time/triton_compiles": 5, "time/triton_compile_s": 1.75,
                                  "time/triton_cache_loads": 3},
         "later_steps_s": 9.0, "between_records_beyond_steps_s": 6.5, "after_last_record_s": 24.5,
