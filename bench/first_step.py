@@ -189,6 +189,13 @@ def ratios(fresh: dict, warm: dict) -> dict:
     return out
 
 
+def median_of_rounds(values: list[float | None]) -> float | None:
+    """The rounds' median of a ratio, over the rounds that have it (a phase that took no time warm
+    has none: default mode's compile ahead); None where none has."""
+    present = [value for value in values if value is not None]
+    return statistics.median(present) if present else None
+
+
 def profile_growth(fresh: str, warm: str, top: int = 30) -> list[tuple[str, float, float]]:
     """The `top` functions whose cumulative seconds grew most from the warm run's cProfile file to
     the fresh run's: (function, fresh seconds, warm seconds), the most first. A function and its
@@ -237,7 +244,7 @@ def main() -> None:
         if args.profile:  # kept in the report too: what the docs cite of a profile is in a results file
             rounds[-1]["profile_growth"] = profile_growth(profiles["fresh"], profiles["warm"])
             print_profile_growth(rounds[-1]["profile_growth"])
-    medians = {key: statistics.median(r["ratios"][key] for r in rounds) for key in rounds[0]["ratios"]}
+    medians = {key: median_of_rounds([r["ratios"][key] for r in rounds]) for key in rounds[0]["ratios"]}
     report = {**provenance(), "flags": flags, "profiled": bool(args.profile), "rounds": rounds, "medians": medians}
     write_report(report, medians, args.output)
 

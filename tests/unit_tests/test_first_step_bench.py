@@ -50,6 +50,11 @@ def test_the_start_ups_phases_fresh_over_warm_where_both_runs_have_them():
     assert got["startup_compile_ahead_s_fresh_over_warm"] is None  # default mode: no pass, no ratio
 
 
+def test_a_ratio_some_rounds_lack_takes_the_median_of_the_others():
+    assert first_step.median_of_rounds([1.5, None, 1.1, 1.3]) == 1.3
+    assert first_step.median_of_rounds([None, None, None]) is None  # default mode's compile ahead, three rounds
+
+
 def _record(step, step_s, compiles=None, **more):
     times = {"time/step_s": step_s, "time/generation_s": step_s / 2, "time/training_s": step_s / 4,
              "time/optimizer_s": 0.25}
