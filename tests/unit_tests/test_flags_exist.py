@@ -53,7 +53,7 @@ def _known_flags() -> set[str]:
     parsers = [build_parser(ours), build_parser(_module("bench/profile_steps.py").add_profile_args),
                _module("bench/gdn_rule.py").build_parser(), _module("bench/gemm.py").build_parser(),
                _module("bench/decode_tail.py").build_parser(),
-               _module("bench/suite.py").build_parser(),
+               _module("bench/suite.py").build_parser(), _module("bench/generation_floor.py").build_parser(),
                _module("tools/plot_metrics.py").build_parser(), _module("tools/source_hash.py").build_parser(),
                _module("tools/results_docs.py").build_parser(), _module("tools/memory_plan.py").build_parser(),
                _module("tools/memory_peak.py").build_parser(),
