@@ -30,16 +30,18 @@ MODE = {"train_fwd_bwd_s": 1.0, "rl_update_s": 2.0, "generate_s": 4.0, "decode_s
 
 def test_ratios_and_headline_keys():
     profile = {"bi": {**MODE, "train_fwd_bwd_s": 1.5, "rl_update_s": 2.2, "generate_s": 5.0,
-                      "decode_step_ms_median": 40.0, "decode_interval_ms_median": 35.0},
+                      "decode_step_ms_median": 40.0, "decode_interval_ms_median": 35.0,
+                      "decode_hbm_roofline_fraction": 0.015},
                "default": MODE}
     summary = suite.summarize(profile)
     assert (summary["trainer_ratio"], summary["generation_ratio"]) == (1.5, 1.25)
+    assert (summary["decode_roofline_fraction_bi"], summary["decode_roofline_fraction_default"]) == (0.015, 0.02)
     assert summary["update_ratio"] == pytest.approx(1.1)
     assert (summary["decode_ms_bi"], summary["decode_ms_default"]) == (40.0, 30.0)
     assert suite.headline({"dense16": summary, "dense4": summary}) == {
         "trainer_ratio_dense": 1.5, "update_ratio_dense": summary["update_ratio"],
         "generation_ratio_dense": 1.25, "decode_ms_dense_bi": 40.0, "decode_interval_ms_dense_bi": 35.0,
-        "decode_roofline_fraction_dense_bi": 0.02}
+        "decode_roofline_fraction_dense_bi": 0.015}
 
 
 def test_rounds_take_medians_and_the_worst_parity():
@@ -56,6 +58,15 @@ def test_rounds_take_medians_and_the_worst_parity():
     assert [r["hbm_copy_bytes_per_s_bi"] for r in summary["rounds"]] == [3.0e12, 2.0e12, 2.5e12]
     assert suite.summarize_rounds(rounds[:1]) == {**suite.summarize(rounds[0]), "rounds": [
         {k: v for k, v in suite.summarize(rounds[0]).items() if isinstance(v, float)}]}
+
+
+def test_each_modes_raw_times_are_their_medians_over_the_rounds_not_the_first_rounds():
+    rounds = [{"bi": {**MODE, "generate_s": bi_s, "train_fwd_bwd_s": train_s},
+               "default": {**MODE, "generate_s": default_s}}
+              for bi_s, train_s, default_s in ((6.0, 3.0, 4.0), (5.0, 1.5, 8.0), (4.5, 1.1, 2.0))]
+    summary = suite.summarize_rounds(rounds)
+    assert summary["generate_s"] == {"bi": 5.0, "default": 4.0}
+    assert summary["train_fwd_bwd_s"] == {"bi": 1.5, "default": 1.0}
 
 
 def _model_args(name: str):
@@ -211,6 +222,22 @@ def test_a_run_stopped_between_rounds_keeps_the_rounds_it_finished(tmp_path, mon
     assert report["rounds"] == 1 and len(report["models"]["qwen3_4b_long"]["rounds"]) == 1
     assert report["decode_ms_long_bi"] == 30.0 and report["failures"] == []
     assert [call[call.index("--bench-mode") + 1] for call in calls] == ["bi", "default", "default"]
+
+
+def test_the_reports_rounds_are_the_fewest_any_model_finished(tmp_path, monkeypatch):
+    def second_model_fails_its_second_round(script, flags, output_flag, path):
+        if os.path.basename(path).startswith("dense4_1_"):
+            return None, f"exit 1, wrote no {path}"
+        return {flags[flags.index("--bench-mode") + 1]: MODE}, None
+
+    monkeypatch.setattr(suite, "_run", second_model_fails_its_second_round)
+    monkeypatch.setattr(suite, "plot", lambda models, path: None)
+    monkeypatch.setattr(suite.sys, "argv", ["suite.py", "--output", str(tmp_path / "b.json"), "--models", "dense16",
+                                            "dense4", "--rounds", "2", "--skip-gemm"])
+    with pytest.raises(SystemExit, match="dense4 round 1: default mode: exit 1"):
+        suite.main()
+    report = suite.read_object(str(tmp_path / "b.json"))
+    assert report["rounds"] == 1 and [len(m["rounds"]) for m in report["models"].values()] == [2, 1]
 
 
 def test_each_mode_runs_in_a_process_of_its_own_the_second_on_the_first_s_weights(tmp_path, monkeypatch):
@@ -395,24 +422,110 @@ def test_the_profilers_window_is_the_first_full_batch_decode_steps(profile_steps
     assert profiler.events == [("start", 4), ("stop", 9)] and hook.profiled_steps == 3
 
 
-def test_a_decode_steps_bytes_and_its_roofline_fraction_by_hand(profile_steps):
-    """Weights 2 x 8 x 2 B (the untied input embedding, 4 x 8 x 2 B, not counted); per context
-    token 2 (K, V) x 2 groups x 4 channels x 2 B = 32 B in each of 3 attention layers."""
+def _tiny_model(**config):
+    """An input embedding of 4 x 8 and a head of 2 x 8, bf16: 64 and 32 bytes."""
     model = torch.nn.Module()
     model.embedding = torch.nn.Module()
     model.embedding.word_embeddings = torch.nn.Embedding(4, 8, dtype=torch.bfloat16)
     model.head = torch.nn.Parameter(torch.zeros(2, 8, dtype=torch.bfloat16))
-    model.config = types.SimpleNamespace(num_layers=3, num_query_groups=2, kv_channels=4)
+    model.config = types.SimpleNamespace(num_query_groups=2, kv_channels=4, **config)
+    return model
+
+
+def test_a_decode_steps_bytes_and_its_roofline_fraction_by_hand(profile_steps):
+    """Weights 2 x 8 x 2 B (the untied input embedding, 4 x 8 x 2 B, not counted); per context
+    token 2 (K, V) x 2 groups x 4 channels x 2 B = 32 B in each of 3 attention layers."""
     args = types.SimpleNamespace(untie_embeddings_and_output_weights=True, hybrid_layer_pattern=None)
-    work = types.SimpleNamespace(model=model, prompts=[[1]] * 4)
+    work = types.SimpleNamespace(model=_tiny_model(num_layers=3), prompts=[[1]] * 4)
     assert profile_steps.decode_bytes(args, work, 10) == 32 + 3 * 10 * 32
+    # tied, the embedding is the output layer too: a step reads all of it
+    args.untie_embeddings_and_output_weights = False
+    assert profile_steps.decode_bytes(args, work, 10) == 96 + 3 * 10 * 32
     # 100, 150 and 600 bytes a second: the median, 150, over the copy rate
     assert profile_steps.roofline_fraction([100.0, 300.0, 600.0], [1.0, 2.0, 1.0], 100.0) == 1.5
+
+
+def test_a_hybrid_decode_step_reads_its_attention_layers_kv_and_its_gdn_layers_state(profile_steps):
+    """"G-*-G-": one attention layer, 10 context tokens of 32 B; two GDN layers, each request's
+    state 2 heads x 4 x 4 fp32 (128 B) read and written, for 4 requests."""
+    model = _tiny_model(num_layers=6, linear_num_value_heads=2, linear_key_head_dim=4, linear_value_head_dim=4)
+    args = types.SimpleNamespace(untie_embeddings_and_output_weights=True, hybrid_layer_pattern="G-*-G-")
+    work = types.SimpleNamespace(model=model, prompts=[[1]] * 4)
+    assert profile_steps.decode_bytes(args, work, 10) == 32 + 1 * 10 * 32 + 2 * 4 * 128 * 2
 
 
 def test_the_copy_rate_counts_each_byte_read_and_written_at_the_median_copy(profile_steps):
     # 1 GiB copies in 0.5, 4.0 (one slowed by something else) and 0.25 s: 2 GiB moved in the median 0.5 s
     assert profile_steps.copy_rate(2**30, [0.5, 4.0, 0.25]) == 2**32
+
+
+def test_the_copy_rate_is_timed_on_copies_after_a_warm_up_and_its_buffers_are_given_back(profile_steps, monkeypatch):
+    """torch stood in for: each timed copy's CUDA-event milliseconds from a schedule."""
+    milliseconds = iter([500.0, 250.0, 4000.0, 500.0, 500.0, 250.0, 8000.0, 500.0, 250.0])  # the median: 500
+    calls = []
+
+    class Buffer:
+        def copy_(self, source):
+            calls.append("copy")
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return next(milliseconds)
+
+    def empty(size, dtype, device):
+        calls.append(("empty", size, device))
+        return Buffer()
+
+    monkeypatch.setattr(profile_steps, "torch", types.SimpleNamespace(
+        uint8=torch.uint8, empty=empty, empty_like=lambda buffer: Buffer(),
+        cuda=types.SimpleNamespace(Event=Event, empty_cache=lambda: calls.append("empty_cache"))))
+    assert profile_steps.measure_copy_rate() == 2**32  # 2 GiB read and written in the median 0.5 s
+    assert calls == [("empty", 2**30, "cuda")] + ["copy"] * 10 + ["empty_cache"]  # a warm-up, nine timed
+
+
+def test_a_modes_report_carries_the_copy_rate_it_measured_before_building_the_model(profile_steps, monkeypatch):
+    """measure with the model, the profilers and the copy stood in for: 2 requests, 2 new tokens a
+    generation, every step a full-batch decode step of 0.5 s reading 2**31 bytes."""
+    built = []
+    engine = _FakeEngine(profile_steps.clock, [0.5] * 14)  # seven generations of two steps
+    work = _FakeWork(engine)
+    work.generator, work.model = types.SimpleNamespace(engine=engine), None
+    work.trains, work.parity_max = False, lambda: 0.0
+    monkeypatch.setattr(profile_steps, "measure_copy_rate", lambda: built.append("copy") or 2.0**40)
+    monkeypatch.setattr(profile_steps, "build_workload", lambda args, weights, trains: built.append("model") or work)
+    monkeypatch.setattr(profile_steps, "decode_bytes", lambda args, work, context_tokens: 2.0**31)
+    monkeypatch.setattr(profile_steps, "profile", lambda activities: _CountingProfiler(engine))
+    monkeypatch.setattr(profile_steps, "PythonProfiler", lambda: _CountingProfiler(engine))
+    monkeypatch.setattr(profile_steps, "op_table", lambda profiler, per, rows: [])
+    monkeypatch.setattr(profile_steps, "python_table", lambda profiler, per, rows: [])
+    monkeypatch.setattr(profile_steps, "cpu_state_dict", lambda model: {})
+    args = types.SimpleNamespace(bench_generation_only=True, bench_new_tokens=2, bench_op_rows=5)
+    result, _ = profile_steps.measure(args, True, None)
+    assert built == ["copy", "model"] and engine.steps == 14
+    assert result["hbm_copy_bytes_per_s"] == 2.0**40
+    assert result["decode_hbm_roofline_fraction"] == 2.0**-8  # 2**32 bytes a second over 2**40
+
+
+def test_the_printed_summary_names_each_modes_copy_rate(profile_steps, monkeypatch):
+    printed = {}
+    report = {"bi": {**MODE, "prefill_ms": 9.0}}  # --bench-mode bi
+    args = types.SimpleNamespace(bench_output=None)
+    monkeypatch.setattr(profile_steps, "run_modes", lambda provider, measure: (args, report))
+    monkeypatch.setattr(profile_steps, "write_report", lambda report, summary, path: printed.update(summary))
+    monkeypatch.setattr(profile_steps, "check_bi_parity", lambda report: None)
+    profile_steps.main()
+    assert printed == {"bi": {"prefill_ms": 9.0, "decode_step_ms_median": 30.0, "decode_interval_ms_median": 25.0,
+                              "decode_hbm_roofline_fraction": 0.02, "hbm_copy_bytes_per_s": 4.0e12,
+                              "train_fwd_bwd_s": 1.0, "parity_max": 0.0}}
 
 
 def _tick(clock, seconds):

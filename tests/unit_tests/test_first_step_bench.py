@@ -55,6 +55,37 @@ def test_a_ratio_some_rounds_lack_takes_the_median_of_the_others():
     assert first_step.median_of_rounds([None, None, None]) is None  # default mode's compile ahead, three rounds
 
 
+def test_a_rounds_zero_is_a_value_and_one_far_round_moves_no_median():
+    # the median of 4.0, 0.0 and 0.5 (the mean is 1.5; without the 0.0 the median is 2.25)
+    assert first_step.median_of_rounds([4.0, None, 0.0, 0.5]) == 0.5
+
+
+def test_the_compiling_seconds_count_compile_ahead_once_with_its_wait_inside_it():
+    startup = {"time/startup_imports_s": 7.0, "time/startup_model_s": 9.0, "time/startup_compile_ahead_s": 30.0,
+               "time/startup_compile_ahead_wait_s": 12.0, "time/startup_sft_s": 5.0}
+    # compile ahead 30 s (its 12 s wait a part of it), the SFT warm-up 5 s, the first step 40 s
+    assert first_step.compiling_seconds(_run(100.0, 90.0, 40.0, 20.0, 19.0, 1.0, None, startup)) == 75.0
+
+
+def test_a_run_of_one_step_has_no_later_steps_and_no_first_over_later_ratios():
+    summary = first_step.summarize({1: _record(1, 40.0)}, 50.0, 45.0, 45.0)
+    assert summary["later_steps_median"] is None and summary["later_steps_s"] == 0
+    assert (summary["between_records_beyond_steps_s"], summary["after_last_record_s"]) == (0.0, 5.0)
+    warm = first_step.summarize({1: _record(1, 10.0)}, 20.0, 15.0, 15.0)
+    assert first_step.ratios(summary, warm) == {
+        "wall_fresh_over_warm": 2.5, "first_record_fresh_over_warm": 3.0,
+        "wall_fresh_minus_warm_s": 30.0, "first_record_fresh_minus_warm_s": 30.0,
+        "compiling_fresh_minus_warm_s": 30.0, "elsewhere_fresh_minus_warm_s": 0.0}
+
+
+def test_a_first_record_without_compile_ahead_or_compile_counts_keeps_the_later_steps_counts():
+    """Default mode runs no compile ahead: its first record has none of the pass's fields."""
+    summary = first_step.summarize({1: _record(1, 40.0), 2: _record(2, 2.0, (4, 1.5, 0))}, 50.0, 45.0, 47.0)
+    assert summary["compile_ahead"] == {} and summary["compiles_first_step"] == {}
+    assert summary["compiles_later_steps"] == {"time/triton_compiles": 4, "time/triton_compile_s": 1.5,
+                                               "time/triton_cache_loads": 0}
+
+
 def _record(step, step_s, compiles=None, **more):
     times = {"time/step_s": step_s, "time/generation_s": step_s / 2, "time/training_s": step_s / 4,
              "time/optimizer_s": 0.25}
@@ -100,13 +131,16 @@ def test_the_fresh_runs_flash_attention_kernels_are_counted_by_family(tmp_path):
         open(os.path.join(cache, family, key + ".o"), "w").close()
         open(os.path.join(cache, family, key + ".lock"), "w").close()
     open(os.path.join(cache, "fwd", ".x.123.tmp.o"), "w").close()  # a write in progress
-    os.makedirs(os.path.join(tmpdir, "other", "fwd"))
-    open(os.path.join(tmpdir, "other", "fwd", "z.o"), "w").close()  # not FlashAttention's cache
+    for other in ("other", "old_flash_attention_cute_dsl_cache"):  # not FlashAttention's cache
+        os.makedirs(os.path.join(tmpdir, other, "fwd"))
+        open(os.path.join(tmpdir, other, "fwd", "z.o"), "w").close()
     kernels = first_step.flash_attention_kernels(str(tmp_path))
     assert kernels == {"fwd": 3, "bwd": 1, "bwd_pre": 1} and list(kernels)[0] == "fwd"
 
 
-def test_every_cache_lives_under_the_rounds_directory(tmp_path):
+def test_every_cache_lives_under_the_rounds_directory(tmp_path, monkeypatch):
+    for name in first_step.CACHE_VARIABLES:
+        monkeypatch.setenv(name, "/the/users/own")  # the round's directories win over the environment's
     env = first_step.cache_environment(str(tmp_path))
     for name in first_step.CACHE_VARIABLES:
         assert env[name] == str(tmp_path / name.lower()) and os.path.isdir(env[name])

@@ -88,6 +88,8 @@ def test_stamps_are_checked_against_their_commit(tree, tmp_path_factory):
     assert problems["nested.json"] == []  # a clean checkout's HEAD that named other code
     assert problems["declared_short.json"] == []
     assert stamped_commit(stamps["declared_short.json"]) == commit  # named in full
+    # a dirty checkout names no commit: the declared one is the stamp's, even where it is the checkout's prefix
+    assert stamped_commit({"git_commit": commit + "-dirty", "declared_commit": commit[:7]}) == commit[:7]
     assert problems["declared_wrongly.json"][0].endswith(f"is not {commit[:12]}'s ({source_hash(tree)[:12]})")
     assert problems["bad.json"] == [f"{files}/bad.json: source_hash 000000000000 is not "
                                     f"{commit[:12]}'s ({source_hash(tree)[:12]})"]
@@ -111,6 +113,18 @@ def test_a_declared_commit_is_recorded_as_declared(monkeypatch, tree):
     assert stamp["source_hash"] == source_hash(tree)
     (tree / "megatron_rl_bi" / "a.py").write_text("A = 4\n")
     assert provenance.git_commit() == _git(tree, "rev-parse", "HEAD") + "-dirty"
+
+
+def test_an_untracked_file_leaves_the_checkout_clean(monkeypatch, tree):
+    monkeypatch.setattr(provenance, "REPO", tree)
+    (tree / "result.json").write_text("{}")  # a run's output, not added
+    assert provenance.git_commit() == _git(tree, "rev-parse", "HEAD")
+
+
+def test_without_git_the_commit_is_unknown(monkeypatch, tree, tmp_path_factory):
+    monkeypatch.setattr(provenance, "REPO", tree)
+    monkeypatch.setenv("PATH", str(tmp_path_factory.mktemp("no_git")))  # no git to run
+    assert provenance.git_commit() == "unknown"
 
 
 def test_a_copy_inside_another_checkout_has_no_commit_of_its_own(monkeypatch, tree):
