@@ -17,7 +17,7 @@ import torch
 from triton.backends.compiler import GPUTarget
 
 from megatron_rl_bi.compiling import workers as compile_workers
-from megatron_rl_bi.models.compile_ahead import KernelSender, dry_batches, sending
+from megatron_rl_bi.models.compile_ahead import KernelSender, dry_batches, dry_lengths, sending
 from tests import REPO
 from tests.sm90_spills import compiling_environment
 
@@ -164,7 +164,8 @@ def test_without_workers_left_the_jobs_fail_and_the_wait_ends():
 
 @pytest.mark.parametrize("argv, count", [([], compile_workers.DEFAULT_WORKERS),
                                          (["--rl-compile-ahead-workers", "3"], 3),
-                                         (["--lr", "1", "--rl-compile-ahead-workers=0"], 0)])
+                                         (["--lr", "1", "--rl-compile-ahead-workers=0"], 0),
+                                         (["--rl-compile-ahead-workers"], compile_workers.DEFAULT_WORKERS)])
 def test_the_count_comes_from_the_command_line(argv, count):
     assert compile_workers.workers_on_command_line(argv) == count
 
@@ -213,6 +214,14 @@ def test_the_pass_batches_meet_each_gemm_tile_with_both_token_count_classes(max_
     assert len(tiles) == 3 and met == {(tile, divisible) for tile in tiles for divisible in (False, True)}
 
 
+@pytest.mark.parametrize("shape, max_length, lengths", [
+    ((37, 300, 5), 4096, [300] + [8] * 35 + [17]),  # 597 tokens: 5 modulo 16
+    ((2, 300, 3), 64, [64, 19]),  # the first cut to the model's length, the residue kept
+    ((16, 8, 5), 12, [8] * 15 + [12])])  # the last cut too: the residue as it comes
+def test_the_last_sequence_grows_to_make_the_token_counts_residue(shape, max_length, lengths):
+    assert dry_lengths(*shape, max_length) == lengths
+
+
 def test_no_pass_sequence_is_longer_than_the_model_takes():
     assert max(b.max_seqlen for b in dry_batches(vocab_size=50, max_length=12)) == 12
 
@@ -259,6 +268,15 @@ def test_a_flash_attention_call_is_sent_once_with_its_shapes_and_answered_with_e
     assert forward["kernel_class"] != backward["kernel_class"]  # the two parts compile side by side
 
 
+def test_integer_tensors_of_either_width_are_sent_by_value():
+    workers = RecordingWorkers()
+    q = torch.randn(4, 2, 8)
+    KernelSender(workers, TARGET).flash_attention(q, q, q, seqused_k=torch.tensor([3, 1]),
+                                                  page_table=torch.tensor([[0, 1]], dtype=torch.int32))
+    assert workers.jobs[0]["kwargs"] == {"seqused_k": {"values": [3, 1], "dtype": "int64"},
+                                         "page_table": {"values": [[0, 1]], "dtype": "int32"}}
+
+
 def _attention_jobs(calls) -> list[dict]:
     """The jobs a sender makes of FlashAttention-4 calls (tokens, heads, grad)."""
     workers, core = RecordingWorkers(), Core()
@@ -301,9 +319,9 @@ def _pool(running: list) -> compile_workers.CompileWorkers:
 
 def test_long_jobs_are_queued_ahead_of_the_others_in_their_order():
     pool = _pool([])
-    for name, first in (("a", False), ("b", True), ("c", False), ("d", True)):
+    for name, first in (("a", True), ("b", True), ("c", False), ("d", True), ("e", False)):
         pool.submit({"name": name, "first": first})
-    assert [job["name"] for job in pool.queued] == ["b", "d", "a", "c"]
+    assert [job["name"] for job in pool.queued] == ["a", "b", "d", "c", "e"]
 
 
 def test_the_first_job_of_a_class_runs_alone_and_the_others_side_by_side_after_it():
@@ -335,6 +353,41 @@ def test_the_outcome_names_the_longest_job(tmp_path):
         workers.close()
     longest = max(result["seconds"] for result in workers.results)
     assert outcome["longest"]["seconds"] == longest and outcome["longest"]["name"] in ("first", "second")
+
+
+def test_the_outcome_sums_every_jobs_seconds_and_names_the_longest_answered_one():
+    pool = _pool([])
+    pool.results = [{"name": "a", "seconds": 1.5}, {"name": "b", "error": "b: KeyError: 'x'", "seconds": 2.0},
+                    {"error": "worker exited with code -9 on c", "seconds": 0.0}]
+    outcome = pool.wait()
+    assert (outcome["jobs"], outcome["compile_s"], outcome["longest"]) == (3, 3.5, {"name": "b", "seconds": 2.0})
+    assert outcome["failed"] == ["b: KeyError: 'x'", "worker exited with code -9 on c"]
+    pool.results = [{"error": "worker exited with code -9 on c", "seconds": 0.0}]
+    assert pool.wait()["longest"] is None  # a dead worker's job has no answer
+
+
+def test_a_worker_answers_each_job_with_its_seconds_and_error_until_the_end_job(monkeypatch):
+    import io
+    import types
+
+    from megatron_rl_bi.compiling import worker
+
+    answers = io.StringIO()
+    monkeypatch.setattr(worker, "os", types.SimpleNamespace(dup=lambda fd: fd, dup2=lambda *_: None,
+                                                            fdopen=lambda *_, **__: answers))
+    monkeypatch.setattr(worker, "import_kernel_modules", lambda: None)
+
+    def failing(job):
+        raise ValueError("no")
+    monkeypatch.setattr(worker, "COMPILERS", {"triton": lambda job: None, "flash_attention": failing})
+    clock = iter([1.0, 3.5, 4.0, 4.25])
+    monkeypatch.setattr(worker, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    jobs = [{"kind": "triton", "name": "a"}, {"kind": "flash_attention", "name": "b"}, {"kind": "end"},
+            {"kind": "triton", "name": "after the end"}]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(json.dumps(job) + "\n" for job in jobs)))
+    worker.main()
+    assert [json.loads(line) for line in answers.getvalue().splitlines()] == [
+        {"name": "a", "seconds": 2.5}, {"name": "b", "error": "b: ValueError: no", "seconds": 0.25}]
 
 
 def test_sending_puts_back_the_hook_and_the_cores_after_an_error():
@@ -431,15 +484,15 @@ class FakeDDP(torch.nn.Module):
 
 @pytest.fixture
 def cpu_pass(monkeypatch):
-    """compile_ahead on the CPU: torch's CPU generator stands in for the CUDA one and the tracker's."""
+    """compile_ahead on the CPU: stand-ins for the CUDA generator's state and the tracker's."""
     from megatron_rl_bi.models import compile_ahead as module
 
-    tracker = type("Tracker", (), {"states": {"model-parallel": 7}})()
+    tracker = type("Tracker", (), {"states": {"model-parallel": 7}, "cuda": "cuda 7"})()
     tracker.get_states = lambda: dict(tracker.states)
     tracker.set_states = lambda states: setattr(tracker, "states", states)
     monkeypatch.setattr(module, "get_cuda_rng_tracker", lambda: tracker)
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.get_rng_state())
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: None)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: tracker.cuda)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: setattr(tracker, "cuda", state))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     monkeypatch.setattr(torch.distributed, "barrier", lambda: None)
     driver = type("Driver", (), {"get_current_target": lambda self: TARGET})()
@@ -453,7 +506,7 @@ def test_the_pass_leaves_no_trace(cpu_pass, monkeypatch):
 
     def forward(model, batch):  # draws from the generators, as a model with dropout would
         seen.append((batch.input_ids.numel(), torch.rand(1).item(), module.autotune._keep_picks))
-        tracker.states = {"model-parallel": 8}
+        tracker.states, tracker.cuda = {"model-parallel": 8}, "cuda 8"
         return (model.weight * batch.input_ids.numel()).sum().unsqueeze(0), None
     monkeypatch.setattr(module, "forward_logprobs", forward)
     rng = torch.get_rng_state()
@@ -461,6 +514,7 @@ def test_the_pass_leaves_no_trace(cpu_pass, monkeypatch):
     assert module.compile_ahead(ddp, workers, vocab_size=50, max_length=64) == {"jobs": 0}
     assert len(seen) == len(module.DRY_SHAPES) and not any(keep for _, _, keep in seen)  # autotuners kept nothing meanwhile
     assert torch.equal(torch.get_rng_state(), rng) and tracker.states == {"model-parallel": 7}
+    assert tracker.cuda == "cuda 7"
     assert ddp.calls == ["no_sync", "zero_grad_buffer"] and ddp.weight.grad is None
     assert module.autotune._keep_picks
 
@@ -477,6 +531,37 @@ def test_the_engines_kernels_are_sent_first_where_the_engine_runs_in_the_process
     sent.clear()
     module.compile_ahead(FakeDDP(), workers, vocab_size=50, max_length=64)  # an engine in processes of its own
     assert sent == ["batch"] * len(module.DRY_SHAPES)
+
+
+def test_the_pass_runs_the_model_in_training_mode(cpu_pass, monkeypatch):
+    module, _ = cpu_pass
+    ddp, modes = FakeDDP().eval(), []
+    monkeypatch.setattr(module, "forward_logprobs", lambda model, batch: (modes.append(model.training) or
+                                                                          model.weight.sum().unsqueeze(0), None))
+    module.compile_ahead(ddp, None, vocab_size=50, max_length=64)
+    assert modes == [True] * len(module.DRY_SHAPES)
+
+
+def test_every_rank_meets_the_others_after_the_workers_are_done(cpu_pass, monkeypatch):
+    module, _ = cpu_pass
+    events = []
+    monkeypatch.setattr(module, "forward_logprobs", lambda model, batch: (model.weight.sum().unsqueeze(0), None))
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: events.append("barrier"))
+    workers = type("Workers", (), {"wait": lambda self: events.append("wait") or {"jobs": 0},
+                                   "submit": lambda self, job: None})()
+    module.compile_ahead(FakeDDP(), workers, vocab_size=50, max_length=64)
+    module.compile_ahead(FakeDDP(), None, vocab_size=50, max_length=64)  # a rank without workers
+    assert events == ["wait", "barrier", "barrier"]
+
+
+def test_a_moe_model_is_left_to_its_first_step():
+    from megatron_rl_bi.models.compile_ahead import compile_ahead_problem
+
+    model = torch.nn.Linear(1, 1)
+    model.config = type("Config", (), {"num_moe_experts": None})()
+    assert compile_ahead_problem(model) is None
+    model.config.num_moe_experts = 4
+    assert compile_ahead_problem(model).startswith("a MoE router")
 
 
 def test_a_pass_that_fails_still_zeroes_the_gradients_and_puts_everything_back(cpu_pass, monkeypatch):
@@ -521,7 +606,7 @@ def test_the_engines_attention_is_sent_from_megatron_cores_own_call(monkeypatch)
     monkeypatch.setattr(megatron_attention, "flash_attn4_varlen_func", "FlashAttention-4", raising=False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     workers, model = RecordingWorkers(), torch.nn.Sequential(_attention_layer(megatron_attention)).train()
-    send_engine_attention(model, KernelSender(workers, TARGET), block_size=256, max_length=1024)
+    send_engine_attention(model, KernelSender(workers, TARGET), block_size=256, max_length=1000)
     assert model[0].training and megatron_attention.flash_attn4_varlen_func == "FlashAttention-4"
     assert [(job["part"], job["grad"]) for job in workers.jobs] == [("forward", False)] * 3
     queries = [job["kwargs"]["cu_seqlens_q"]["values"] for job in workers.jobs]
@@ -530,7 +615,7 @@ def test_the_engines_attention_is_sent_from_megatron_cores_own_call(monkeypatch)
     for job in workers.jobs:
         assert job["tensors"]["q"]["shape"][1:] == [8, 64]
         assert job["tensors"]["k"] == {"shape": [8, 256, 2, 64], "stride": [32768, 128, 64, 1], "dtype": "bfloat16"}
-        assert job["kwargs"]["page_table"]["values"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # 1,024 tokens: 4 pages
+        assert job["kwargs"]["page_table"]["values"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # 1,000 tokens: 4 pages
         assert job["kwargs"]["num_splits"] == 1 and job["kwargs"]["causal"] is True
 
 
@@ -559,6 +644,22 @@ def test_each_attention_layers_kv_append_is_sent_at_each_token_count_class(monke
         assert key.shape == value.shape == (tokens, 1, 2, 64) and key.dtype == torch.bfloat16
         assert cache[0, layer_number].stride() == engine_layer_slice.stride()
         assert (pages.dtype, positions.dtype) == (torch.int64, torch.int32) and len(pages) == tokens
+
+
+def test_each_gdn_layers_state_stores_are_sent_in_eval_mode_and_its_mode_put_back(monkeypatch):
+    from megatron_rl_bi.models import compile_ahead
+    from megatron_rl_bi.models.gdn import SwitchedGatedDeltaNet
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    stores, layers = [], [object.__new__(SwitchedGatedDeltaNet) for _ in range(2)]
+    for layer in layers:
+        torch.nn.Module.__init__(layer)
+        layer.dry_state_stores = lambda device, layer=layer: stores.append((layer, device, layer.training))
+    model = torch.nn.Sequential(*layers).train()
+    layers[1].eval()
+    compile_ahead.send_engine_kernels(model, KernelSender(RecordingWorkers(), TARGET), block_size=256, max_length=1024)
+    assert stores == [(layers[0], "cpu", False), (layers[1], "cpu", False)]
+    assert [layer.training for layer in layers] == [True, False]
 
 
 def test_no_engine_call_is_longer_than_the_engine_takes():
@@ -644,28 +745,35 @@ COMPILE_KERNELS_AHEAD = textwrap.dedent("""
     import argparse, json
     class Workers:
         processes = [1, 2]
-        def close(self): pass
+        closed = 0
+        def close(self): Workers.closed += 1
     def failing(*_):
         raise RuntimeError("no")
-    pretrain_rl.compile_ahead_problem = lambda ddp: None
+    def ran(*_):
+        return {"jobs": 3, "failed": [], "compile_s": 4.0, "longest": None, "wall_s": 2.5}
     args = argparse.Namespace(batch_invariant_mode=True, rl_compile_ahead_workers=2, seq_length=64)
     found = []
-    for compile_ahead in (lambda *_: {"jobs": 3, "failed": [], "compile_s": 4.0, "longest": None, "wall_s": 2.5},
-                          failing):
+    for problem, compile_ahead in ((None, ran), (None, failing), ("a MoE router", ran)):
+        pretrain_rl.compile_ahead_problem = lambda ddp: problem
         pretrain_rl.compile_ahead = compile_ahead
         found.append(pretrain_rl.compile_kernels_ahead(args, None, Workers(), 100, None))
-    args.batch_invariant_mode = False
+    pretrain_rl.compile_ahead_problem = lambda ddp: None
+    args.rl_compile_ahead_workers = 0
+    found.append(pretrain_rl.compile_kernels_ahead(args, None, Workers(), 100, None))
+    args.batch_invariant_mode, args.rl_compile_ahead_workers = False, 2
     found.append(pretrain_rl.compile_kernels_ahead(args, None, Workers(), 100, None))
     for record in found:
         assert record.pop("time/startup_compile_ahead_s") >= 0
-    print(json.dumps(found))
+    print(json.dumps({"records": found, "closed": Workers.closed}))
 """)
 
 
 def test_the_start_up_record_has_the_wait_for_the_workers_and_their_work_apart():
     """compile_kernels_ahead's record: its seconds, of them the workers' wait, and the workers'
-    jobs and compiling seconds (the outcome's); no wait and no work when the pass failed or did
-    not run."""
+    jobs and compiling seconds (the outcome's); no wait and no work when the pass failed, was off
+    for the model, or did not run (default mode, or no workers asked for). The workers are ended
+    wherever the pass was on (where it was not, main ends them)."""
     found = json.loads(run_after_loading_pretrain_rl(COMPILE_KERNELS_AHEAD))
     ran = {"time/startup_compile_ahead_wait_s": 2.5, "compile_ahead/jobs": 3, "time/compile_ahead_workers_s": 4.0}
-    assert found == [ran, {"time/startup_compile_ahead_wait_s": 0.0}, {"time/startup_compile_ahead_wait_s": 0.0}]
+    assert found["records"] == [ran] + [{"time/startup_compile_ahead_wait_s": 0.0}] * 4
+    assert found["closed"] == 3

@@ -19,10 +19,14 @@ def test_the_dry_stores_meet_the_engines_layouts_and_both_slot_alignments(gdn_la
     varlen_core = gdn_layer._varlen_core
     monkeypatch.setattr(gdn_layer, "_varlen_core", lambda *args, **kwargs: finals.append(
         varlen_core(*args, **kwargs)) or finals[-1])
+    steps, recurrent = [], gdn_layer._recurrent
+    monkeypatch.setattr(gdn_layer, "_recurrent", lambda decode_only: steps.append(decode_only) or
+                        recurrent(decode_only))
     with torch.no_grad():
         gdn_layer.dry_state_stores("cpu")
     conv_final, rule_final = finals[0][2:]
     assert len(finals) == 1 and len(stores) == 4
+    assert steps == [False]  # the rule's kernel of a step with a prefill (chunked with gdn_recurrent left off)
     # the engine's slots, as inference.engine.gdn_inference_state_config declares them
     conv = ((gdn_layer.conv_dim_local_tp, gdn_layer.conv_kernel_dim), gdn_layer.config.params_dtype, conv_final)
     rule = ((gdn_layer.num_v_heads_local_tp, gdn_layer.key_head_dim, gdn_layer.value_head_dim), torch.float32,
