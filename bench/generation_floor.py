@@ -55,6 +55,9 @@ def read_bytes_per_step_unit(run: dict) -> dict:
     """From a run header: the weights a decode step reads, the KV bytes of a context token over
     all attention layers, and the GDN state bytes a generated token reads and writes."""
     config, plan = run["config"], run["memory_plan"]
+    if config.get("num_moe_experts") not in (None, "None"):
+        raise ValueError("a MoE model: a decode step reads only the experts its tokens are routed to, "
+                         "not the planned weights")
     weights = plan["weights"] * GIB
     if config["untie_embeddings_and_output_weights"] == "True":
         weights -= int(config["padded_vocab_size"]) * int(config["hidden_size"]) * BF16_BYTES

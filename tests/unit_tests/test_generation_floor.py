@@ -82,6 +82,12 @@ def test_the_report_of_a_metrics_file(tmp_path):
     assert "step 1: generation 4 s, its floor 2 s" in done.stdout
 
 
+def test_a_moe_model_has_no_floor_from_its_planned_weights():
+    with pytest.raises(ValueError, match="MoE"):
+        generation_floor.read_bytes_per_step_unit(_run({**_config(), "num_moe_experts": "8"}))
+    assert generation_floor.read_bytes_per_step_unit(_run({**_config(), "num_moe_experts": "None"}))
+
+
 def test_a_file_without_a_planned_run_header_is_an_error(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text(json.dumps({"run": {"device": "x"}}) + "\n")
