@@ -5,8 +5,8 @@ generation, and what a step target asks of it.
 A step's decode must read, at least: the weights once a decode step (the input embedding of an
 untied model aside: a step reads a row of it per request), with at least tokens / requests-at-once
 steps; for each generated token the KV cache of its response's earlier tokens in every attention
-layer; and in a hybrid model each GDN layer's recurrent state (fp32), read and written for each
-generated token. Each count is a lower bound: the prompts' tokens in the contexts, the prefill and
+layer; and in a hybrid model each GDN layer's states (the conv state and the fp32 recurrent one),
+read and written for each generated token. Each count is a lower bound: the prompts' tokens in the contexts, the prefill and
 everything but HBM reads are left out, and the responses' context reads are counted as if all had
 the mean length (x(x-1)/2 is convex: unequal lengths read more). The floor's seconds are its bytes
 at the device's copy rate (bench/profile_steps.py measures it: an H200's, 4.3e12 bytes a second).
@@ -23,13 +23,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_rl_bi.memory import GIB  # noqa: E402
-from megatron_rl_bi.jsonfile import read_jsonl  # noqa: E402
-from megatron_rl_bi.reporting.metrics import read_step_records  # noqa: E402
+from megatron_rl_bi.config.from_args import model_shape_from_args  # noqa: E402
+from megatron_rl_bi.memory import decode_weight_bytes, gdn_state_bytes_per_request, kv_bytes_per_token  # noqa: E402
+from megatron_rl_bi.reporting.metrics import header_flags, read_run_header, read_step_records  # noqa: E402
 from megatron_rl_bi.reporting.provenance import provenance, stamped_commit  # noqa: E402
-
-BF16_BYTES, FP32_BYTES = 2, 4
-
 
 def context_reads_floor(responses: int, tokens: int) -> float:
     """Earlier tokens read by `tokens` generated tokens over `responses` responses: each token of a
@@ -42,32 +39,17 @@ def decode_steps_floor(tokens: int, requests_at_once: int) -> int:
     return math.ceil(tokens / requests_at_once)
 
 
-def _layers(config: dict, symbol: str) -> int:
-    """The layers of `symbol` ('*' attention, 'G' GDN) in a hybrid pattern; a GPT model's layers
-    are all attention."""
-    pattern = config.get("hybrid_layer_pattern")
-    if pattern in (None, "None"):
-        return int(config["num_layers"]) if symbol == "*" else 0
-    return pattern.count(symbol)
-
-
 def read_bytes_per_step_unit(run: dict) -> dict:
-    """From a run header: the weights a decode step reads, the KV bytes of a context token over
-    all attention layers, and the GDN state bytes a generated token reads and writes."""
-    config, plan = run["config"], run["memory_plan"]
-    if config.get("num_moe_experts") not in (None, "None"):
+    """From a run header's flags: the weights a decode step reads, the KV bytes of a context token
+    over all attention layers, and the GDN state bytes (conv and rule) a generated token reads and
+    writes."""
+    flags = header_flags(run)
+    if flags.num_experts:
         raise ValueError("a MoE model: a decode step reads only the experts its tokens are routed to, "
                          "not the planned weights")
-    weights = plan["weights"] * GIB
-    if config["untie_embeddings_and_output_weights"] == "True":
-        weights -= int(config["padded_vocab_size"]) * int(config["hidden_size"]) * BF16_BYTES
-    kv = _layers(config, "*") * 2 * int(config["num_query_groups"]) * int(config["kv_channels"]) * BF16_BYTES
-    gdn = 0
-    if (gdn_layers := _layers(config, "G")):
-        state = (int(config["linear_num_value_heads"]) * int(config["linear_key_head_dim"])
-                 * int(config["linear_value_head_dim"]))
-        gdn = gdn_layers * state * FP32_BYTES * 2
-    return {"weights_per_decode_step": weights, "kv_per_context_token": kv, "gdn_state_per_token": gdn}
+    shape = model_shape_from_args(flags, flags.padded_vocab_size)
+    return {"weights_per_decode_step": decode_weight_bytes(shape), "kv_per_context_token": kv_bytes_per_token(shape),
+            "gdn_state_per_token": 2 * gdn_state_bytes_per_request(shape)}
 
 
 def step_floor(units: dict, requests_at_once: int, record: dict, copy_bytes_per_s: float,
@@ -92,14 +74,6 @@ def step_floor(units: dict, requests_at_once: int, record: dict, copy_bytes_per_
     return row
 
 
-def header(path: str) -> dict:
-    """The metrics file's first run header (its plan and config)."""
-    run = next((record["run"] for record in read_jsonl(path) if "run" in record), None)
-    if run is None or "memory_plan" not in run or "config" not in run:
-        raise ValueError(f"{path}: no run header with a memory plan and a config")
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("metrics", help="an at-size run's metrics JSONL (examples/rl_at_size.sh)")
@@ -112,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
-    run = header(args.metrics)
+    run = read_run_header(args.metrics)
+    if "memory_plan" not in run:
+        raise ValueError(f"{args.metrics}: its run header has no memory plan (the requests decoded at once)")
     units = read_bytes_per_step_unit(run)
     requests_at_once = run["memory_plan"]["requests_at_once"]
     steps = [step_floor(units, requests_at_once, record, args.copy_bytes_per_s, args.target_step_s)

@@ -36,6 +36,13 @@ from bench.workload import (  # noqa: E402
 )
 
 from megatron_rl_bi import bi  # noqa: E402
+from megatron_rl_bi.config.from_args import model_shape_from_args  # noqa: E402
+from megatron_rl_bi.memory import (  # noqa: E402
+    ModelShape,
+    decode_weight_bytes,
+    gdn_state_bytes_per_request,
+    kv_bytes_per_token,
+)
 from megatron_rl_bi.models.build import cpu_state_dict  # noqa: E402
 
 COPY_BYTES = 2**30  # far above the L2 cache (50 MB on an H100 or H200): the copy reads and writes HBM
@@ -168,24 +175,13 @@ def caller_generations(hook: EngineStepHook, work: Workload,
     return statistics.median(walls), intervals, full_batch
 
 
-def decode_bytes(args, work: Workload, context_tokens: int) -> float:
-    """HBM bytes a full-batch decode step must read: the weights (less the input embedding, of
-    which a step reads a row per request, when untied), the attention KV cache of its
-    `context_tokens` (the requests' contexts, summed), and each GDN layer's recurrent state (fp32,
-    read and written)."""
-    params = dict(work.model.named_parameters())
-    weights = sum(p.numel() * p.element_size() for p in params.values())
-    if args.untie_embeddings_and_output_weights:
-        embedding = next(p for name, p in params.items() if name.endswith("word_embeddings.weight"))
-        weights -= embedding.numel() * embedding.element_size()
-    config, pattern = work.model.config, args.hybrid_layer_pattern
-    attention_layers = pattern.count("*") if pattern else config.num_layers
-    kv_per_token = 2 * config.num_query_groups * config.kv_channels * 2  # K and V, bf16
-    gdn = 0.0
-    if pattern and "G" in pattern:
-        state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
-        gdn = pattern.count("G") * len(work.prompts) * state * 4 * 2
-    return weights + attention_layers * context_tokens * kv_per_token + gdn
+def decode_bytes(shape: ModelShape, requests: int, context_tokens: int) -> int:
+    """HBM bytes a full-batch decode step of `requests` must read: the weights (less the input
+    embedding, of which a step reads a row per request, when untied), the attention KV cache of its
+    `context_tokens` (the requests' contexts, summed), and each GDN layer's states (conv and fp32
+    rule, read and written)."""
+    return (decode_weight_bytes(shape) + kv_bytes_per_token(shape) * context_tokens
+            + 2 * requests * gdn_state_bytes_per_request(shape))
 
 
 def copy_rate(copy_bytes: int, copy_seconds: list[float]) -> float:
@@ -241,7 +237,9 @@ def measure(args, batch_invariant: bool, weights) -> tuple[dict, dict]:
         hook = EngineStepHook(work.generator.engine)
         hook.run(work, args.bench_new_tokens)  # warm-up
         step_times = hook.run(work, args.bench_new_tokens)
-        decode_times, step_bytes = hook.full_batch_times(), [decode_bytes(args, work, n) for n in hook.context_tokens]
+        shape = model_shape_from_args(args, args.bench_vocab_size)
+        decode_times = hook.full_batch_times()
+        step_bytes = [decode_bytes(shape, len(work.prompts), n) for n in hook.context_tokens]
         generate_s, paced_runs, paced_decode = caller_generations(hook, work, args.bench_new_tokens)
         decode_profile = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
         hook.run(work, args.bench_new_tokens, decode_profile)

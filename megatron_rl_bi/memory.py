@@ -244,6 +244,13 @@ def kv_bytes_per_token(shape: ModelShape) -> int:
     return shape.param_bytes * 2 * shape.count("*") * shape.kv_dim
 
 
+def decode_weight_bytes(shape: ModelShape) -> int:
+    """The weights a decode step reads: all but an untied model's input embedding, of which a step
+    reads one row per request."""
+    input_embedding = 0 if shape.tied else shape.vocab * shape.hidden
+    return (parameter_count(shape) - input_embedding) * shape.param_bytes
+
+
 def gdn_state_bytes_per_request(shape: ModelShape) -> int:
     """A request's GDN states: conv [2K + V, kernel] in the params dtype, rule [HV, K, V] fp32."""
     keys, values, value_heads = shape.gdn_dims

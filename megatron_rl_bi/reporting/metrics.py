@@ -6,6 +6,8 @@ Only the caller decides which rank logs (rank 0 in pretrain_rl.py); every sink i
 except the console. TensorBoard and W&B are imported only when asked for.
 """
 
+import argparse
+import ast
 import json
 import math
 import os
@@ -145,3 +147,22 @@ def read_step_records(path: str) -> dict[int, dict]:
     if not steps:
         raise ValueError(f"{path}: no step records")
     return steps
+
+
+def read_run_header(path: str) -> dict:
+    """The first `{"run": ...}` header of a metrics JSONL: device, commit, memory plan, flags."""
+    run = next((record["run"] for record in read_jsonl(path) if "run" in record), None)
+    if run is None or "config" not in run:
+        raise ValueError(f"{path}: no run header with the run's flags")
+    return run
+
+
+def header_flags(run: dict) -> argparse.Namespace:
+    """A run header's flags with their types back (the header writes each as str()): a value that
+    reads as a Python literal is that literal, any other stays the string it was."""
+    def typed(text: str):
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            return text
+    return argparse.Namespace(**{name: typed(value) for name, value in run["config"].items()})

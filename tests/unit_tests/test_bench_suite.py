@@ -2,6 +2,7 @@
 every model's flags parse."""
 
 import cProfile
+import dataclasses
 import importlib.util
 import os
 import types
@@ -422,36 +423,32 @@ def test_the_profilers_window_is_the_first_full_batch_decode_steps(profile_steps
     assert profiler.events == [("start", 4), ("stop", 9)] and hook.profiled_steps == 3
 
 
-def _tiny_model(**config):
-    """An input embedding of 4 x 8 and a head of 2 x 8, bf16: 64 and 32 bytes."""
-    model = torch.nn.Module()
-    model.embedding = torch.nn.Module()
-    model.embedding.word_embeddings = torch.nn.Embedding(4, 8, dtype=torch.bfloat16)
-    model.head = torch.nn.Parameter(torch.zeros(2, 8, dtype=torch.bfloat16))
-    model.config = types.SimpleNamespace(num_query_groups=2, kv_channels=4, **config)
-    return model
-
-
 def test_a_decode_steps_bytes_and_its_roofline_fraction_by_hand(profile_steps):
-    """Weights 2 x 8 x 2 B (the untied input embedding, 4 x 8 x 2 B, not counted); per context
-    token 2 (K, V) x 2 groups x 4 channels x 2 B = 32 B in each of 3 attention layers."""
-    args = types.SimpleNamespace(untie_embeddings_and_output_weights=True, hybrid_layer_pattern=None)
-    work = types.SimpleNamespace(model=_tiny_model(num_layers=3), prompts=[[1]] * 4)
-    assert profile_steps.decode_bytes(args, work, 10) == 32 + 3 * 10 * 32
-    # tied, the embedding is the output layer too: a step reads all of it
-    args.untie_embeddings_and_output_weights = False
-    assert profile_steps.decode_bytes(args, work, 10) == 96 + 3 * 10 * 32
+    """3 attention layers with MLPs, hidden 4, FFN 8, 2 heads of 2, one KV head, vocabulary 16, bf16:
+    weights 16 x 4 + 3 x (52 + 100) + 4 = 524 parameters tied; per context token K and V x 1 x 2
+    x 2 B = 8 B in each layer."""
+    from megatron_rl_bi.memory import ModelShape
+
+    tied = ModelShape(layers=("*-",) * 3, hidden=4, ffn=8, heads=2, kv_heads=1, head_dim=2, vocab=16, tied=True)
+    assert profile_steps.decode_bytes(tied, 4, 10) == 524 * 2 + 3 * 10 * 8
+    # untied: an output layer more, the input embedding (16 x 4) not read by a decode step
+    untied = dataclasses.replace(tied, tied=False)
+    assert profile_steps.decode_bytes(untied, 4, 10) == (524 + 64 - 64) * 2 + 3 * 10 * 8
     # 100, 150 and 600 bytes a second: the median, 150, over the copy rate
     assert profile_steps.roofline_fraction([100.0, 300.0, 600.0], [1.0, 2.0, 1.0], 100.0) == 1.5
 
 
-def test_a_hybrid_decode_step_reads_its_attention_layers_kv_and_its_gdn_layers_state(profile_steps):
-    """"G-*-G-": one attention layer, 10 context tokens of 32 B; two GDN layers, each request's
-    state 2 heads x 4 x 4 fp32 (128 B) read and written, for 4 requests."""
-    model = _tiny_model(num_layers=6, linear_num_value_heads=2, linear_key_head_dim=4, linear_value_head_dim=4)
-    args = types.SimpleNamespace(untie_embeddings_and_output_weights=True, hybrid_layer_pattern="G-*-G-")
-    work = types.SimpleNamespace(model=model, prompts=[[1]] * 4)
-    assert profile_steps.decode_bytes(args, work, 10) == 32 + 1 * 10 * 32 + 2 * 4 * 128 * 2
+def test_a_hybrid_decode_step_reads_its_attention_layers_kv_and_its_gdn_layers_states(profile_steps):
+    """"G-*-": one attention layer, 10 context tokens of 8 B; one GDN layer (key heads 1 x 2, value
+    heads 2 x 2, conv kernel 4), each request's conv state (2 x 2 + 4) x 4 x 2 B = 64 and rule
+    state 2 x 2 x 2 fp32 = 32, read and written, for 4 requests. Weights: embedding 64, GDN 122,
+    two MLPs 100 each, attention 52, final norm 4 (tests/unit_tests/test_memory_plan.py's counts)."""
+    from megatron_rl_bi.memory import ModelShape
+
+    shape = ModelShape(layers=tuple("G-*-"), hidden=4, ffn=8, heads=2, kv_heads=1, head_dim=2, vocab=16, tied=True,
+                       gdn_key_heads=1, gdn_value_heads=2, gdn_key_dim=2, gdn_value_dim=2, gdn_conv_kernel=4)
+    weights = 64 + 122 + 2 * 100 + 52 + 4
+    assert profile_steps.decode_bytes(shape, 4, 10) == weights * 2 + 1 * 10 * 8 + 4 * (64 + 32) * 2
 
 
 def test_the_copy_rate_counts_each_byte_read_and_written_at_the_median_copy(profile_steps):
@@ -502,15 +499,19 @@ def test_a_modes_report_carries_the_copy_rate_it_measured_before_building_the_mo
     work.trains, work.parity_max = False, lambda: 0.0
     monkeypatch.setattr(profile_steps, "measure_copy_rate", lambda: built.append("copy") or 2.0**40)
     monkeypatch.setattr(profile_steps, "build_workload", lambda args, weights, trains: built.append("model") or work)
-    monkeypatch.setattr(profile_steps, "decode_bytes", lambda args, work, context_tokens: 2.0**31)
+    monkeypatch.setattr(profile_steps, "model_shape_from_args", lambda args, vocab: ("shape", vocab))
+    read = []
+    monkeypatch.setattr(profile_steps, "decode_bytes",
+                        lambda shape, requests, context_tokens: read.append((shape, requests)) or 2.0**31)
     monkeypatch.setattr(profile_steps, "profile", lambda activities: _CountingProfiler(engine))
     monkeypatch.setattr(profile_steps, "PythonProfiler", lambda: _CountingProfiler(engine))
     monkeypatch.setattr(profile_steps, "op_table", lambda profiler, per, rows: [])
     monkeypatch.setattr(profile_steps, "python_table", lambda profiler, per, rows: [])
     monkeypatch.setattr(profile_steps, "cpu_state_dict", lambda model: {})
-    args = types.SimpleNamespace(bench_generation_only=True, bench_new_tokens=2, bench_op_rows=5)
+    args = types.SimpleNamespace(bench_generation_only=True, bench_new_tokens=2, bench_op_rows=5, bench_vocab_size=8)
     result, _ = profile_steps.measure(args, True, None)
     assert built == ["copy", "model"] and engine.steps == 14
+    assert read and set(read) == {(("shape", 8), 2)}  # the bench's model, its 2 requests
     assert result["hbm_copy_bytes_per_s"] == 2.0**40
     assert result["decode_hbm_roofline_fraction"] == 2.0**-8  # 2**32 bytes a second over 2**40
 

@@ -8,22 +8,28 @@ import sys
 import pytest
 
 from bench import generation_floor
+from megatron_rl_bi.config import parse_rl_args
+from megatron_rl_bi.reporting.metrics import read_run_header
 
 from .. import REPO
 
 GIB = 2**30
 
 
-def _config(pattern=None, untied=False):
-    return {"num_layers": "4", "hidden_size": "4", "num_query_groups": "2", "kv_channels": "4",
-            "padded_vocab_size": "8", "untie_embeddings_and_output_weights": str(untied),
-            "hybrid_layer_pattern": str(pattern), "linear_num_value_heads": "2", "linear_key_head_dim": "3",
-            "linear_value_head_dim": "5"}
+COMMON = ["--seq-length", "64", "--max-position-embeddings", "64", "--use-cpu-initialization",
+          "--transformer-impl", "local", "--hidden-size", "4", "--ffn-hidden-size", "8", "--num-attention-heads", "2",
+          "--group-query-attention", "--num-query-groups", "1", "--kv-channels", "2", "--swiglu",
+          "--disable-bias-linear", "--bf16"]
+GDN = ["--linear-num-key-heads", "1", "--linear-num-value-heads", "2", "--linear-key-head-dim", "2",
+       "--linear-value-head-dim", "2", "--linear-conv-kernel-dim", "4"]
 
 
-def _run(config):
-    return {"device": "NVIDIA H200", "git_commit": "0" * 40, "config": config,
-            "memory_plan": {"weights": 1.0, "requests_at_once": 4}}
+def _run(*flags):
+    """A run header as pretrain_rl.py writes it: every flag as str(), Megatron's padded vocabulary."""
+    args = parse_rl_args(COMMON + list(flags))
+    config = {name: str(value) for name, value in vars(args).items()}
+    return {"device": "NVIDIA H200", "git_commit": "0" * 40, "config": {**config, "padded_vocab_size": "128"},
+            "memory_plan": {"requests_at_once": 4}}
 
 
 def test_the_context_reads_floor_is_that_of_responses_of_the_mean_length():
@@ -35,18 +41,22 @@ def test_the_context_reads_floor_is_that_of_responses_of_the_mean_length():
 
 
 def test_a_gpt_models_units_by_hand():
-    # every layer attention: 4 x K and V x 2 groups x 4 channels x 2 B; tied: the weights as planned
-    assert generation_floor.read_bytes_per_step_unit(_run(_config())) == {
-        "weights_per_decode_step": GIB, "kv_per_context_token": 128, "gdn_state_per_token": 0}
-    # untied: the input embedding (8 x 4 x 2 B) not read by a decode step
-    assert generation_floor.read_bytes_per_step_unit(_run(_config(untied=True)))["weights_per_decode_step"] == GIB - 64
+    # 2 layers of attention (norm 4 + QKV 4 x (4 + 2 x 2) + proj 4 x 4 = 52) and SwiGLU MLP (norm 4 +
+    # 4 x 16 + 8 x 4 = 100), embedding 128 x 4, final norm 4: 820 parameters of 2 B, tied
+    units = generation_floor.read_bytes_per_step_unit(_run("--num-layers", "2"))
+    # KV: 2 layers x K and V x 1 group x 2 channels x 2 B
+    assert units == {"weights_per_decode_step": 820 * 2, "kv_per_context_token": 16, "gdn_state_per_token": 0}
+    # untied: an output layer more (512), the input embedding (512) not read by a decode step
+    untied = _run("--num-layers", "2", "--untie-embeddings-and-output-weights")
+    assert generation_floor.read_bytes_per_step_unit(untied)["weights_per_decode_step"] == (820 + 512 - 512) * 2
 
 
 def test_a_hybrid_models_units_by_hand():
-    # "G*G-": one attention layer (2 x 2 x 4 x 2 B) and two GDN layers (2 x 3 x 5 fp32, read and written)
-    units = generation_floor.read_bytes_per_step_unit(_run(_config("G*G-")))
-    assert units["kv_per_context_token"] == 32
-    assert units["gdn_state_per_token"] == 2 * (2 * 3 * 5) * 4 * 2
+    # "G*G-": one attention layer (2 x 1 x 2 x 2 B); two GDN layers, each request's conv state
+    # (2 x 2 + 4) x 4 x 2 B = 64 and rule state 2 heads x 2 x 2 fp32 = 32, read and written
+    units = generation_floor.read_bytes_per_step_unit(_run("--hybrid-layer-pattern", "G*G-", *GDN))
+    assert units["kv_per_context_token"] == 8
+    assert units["gdn_state_per_token"] == 2 * (64 + 32) * 2
 
 
 def test_a_steps_floor_and_what_a_target_asks_by_hand():
@@ -69,27 +79,43 @@ def test_the_report_of_a_metrics_file(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     step = {"step": 1, "rollouts/generated": 2, "bit_wise/tokens": 6, "time/generation_s": 4.0,
             "time/training_s": 3.0}
-    metrics.write_text(json.dumps({"run": _run(_config())}) + "\n" + json.dumps(step) + "\n")
+    metrics.write_text(json.dumps({"run": _run("--num-layers", "2")}) + "\n" + json.dumps(step) + "\n")
     output = tmp_path / "floor.json"
     done = subprocess.run([sys.executable, os.path.join(REPO, "bench", "generation_floor.py"), str(metrics),
-                           "--copy-bytes-per-s", "1e9", "--output", str(output)],
+                           "--copy-bytes-per-s", "10", "--output", str(output)],
                           capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr
     report = json.loads(output.read_text())
     assert report["requests_at_once"] == 4 and report["run_device"] == "NVIDIA H200" and "source_hash" in report
-    # 2 steps x 1 GiB + 6 x 128 B at 1e9 B/s
-    assert report["steps"][0]["floor_s"] == pytest.approx((2 * GIB + 6 * 128) / 1e9)
-    assert "step 1: generation 4 s, its floor 2 s" in done.stdout
+    # 2 steps x 1,640 B + 6 x 16 B at 10 B/s
+    assert report["steps"][0]["floor_s"] == pytest.approx((2 * 1640 + 6 * 16) / 10)
+    assert "step 1: generation 4 s, its floor 338 s" in done.stdout
 
 
 def test_a_moe_model_has_no_floor_from_its_planned_weights():
     with pytest.raises(ValueError, match="MoE"):
-        generation_floor.read_bytes_per_step_unit(_run({**_config(), "num_moe_experts": "8"}))
-    assert generation_floor.read_bytes_per_step_unit(_run({**_config(), "num_moe_experts": "None"}))
+        generation_floor.read_bytes_per_step_unit(_run("--num-layers", "2", "--num-experts", "4"))
+    # the MoE run measured at size
+    with pytest.raises(ValueError, match="MoE"):
+        generation_floor.read_bytes_per_step_unit(read_run_header(f"{REPO}/results/rl_qwen3_30b_a3b_8layers_h200.jsonl"))
+
+
+# a measured run's file: the bytes of its input embedding when untied (Qwen3.5-9B: 248,320 x 4,096 bf16)
+MEASURED = {"rl_qwen3_4b_8k_h200_fused_rope.jsonl": 0,
+            "rl_qwen35_9b_8k_h200_8layers_fla_backward.jsonl": 248_320 * 4_096 * 2}
+
+
+@pytest.mark.parametrize("name", MEASURED)
+def test_a_measured_runs_header_gives_back_the_weights_it_planned(name):
+    run = read_run_header(f"{REPO}/results/{name}")
+    units = generation_floor.read_bytes_per_step_unit(run)
+    assert units["weights_per_decode_step"] == run["memory_plan"]["weights"] * GIB - MEASURED[name]
 
 
 def test_a_file_without_a_planned_run_header_is_an_error(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text(json.dumps({"run": {"device": "x"}}) + "\n")
-    with pytest.raises(ValueError, match="no run header with a memory plan"):
-        generation_floor.header(str(metrics))
+    metrics.write_text(json.dumps({"run": {"device": "x", "config": {}}}) + "\n" + json.dumps({"step": 1}) + "\n")
+    done = subprocess.run([sys.executable, os.path.join(REPO, "bench", "generation_floor.py"), str(metrics),
+                           "--copy-bytes-per-s", "10", "--output", str(tmp_path / "floor.json")],
+                          capture_output=True, text=True, cwd=REPO)
+    assert done.returncode != 0 and "its run header has no memory plan" in done.stderr

@@ -156,6 +156,14 @@ def test_kv_cache_by_hand():
     assert memory.gdn_state_bytes_per_request(HYBRID) == 96
 
 
+def test_the_weights_a_decode_step_reads_by_hand():
+    # tied: all 372 parameters of 2 B (the embedding is the output layer too)
+    assert memory.decode_weight_bytes(DENSE) == 372 * 2
+    # untied: an output layer more (16 x 4), the input embedding left out: a step reads a row a request
+    assert memory.decode_weight_bytes(dataclasses.replace(DENSE, tied=False)) == (372 + 64 - 64) * 2
+    assert memory.decode_weight_bytes(dataclasses.replace(DENSE, param_bytes=4)) == 372 * 4
+
+
 def _run(shape=DENSE, buffer=1000, gpu=100_000, dp=1, tokens=10):
     engine = EngineShape(max_requests=4, max_sequence_length=8, block_tokens=2, buffer_bytes=buffer)
     return RunShape(model=shape, engine=engine, micro_batch_tokens=tokens, data_parallel=dp, gpu_bytes=gpu)

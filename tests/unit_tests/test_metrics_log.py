@@ -3,7 +3,7 @@ import json
 import pytest
 
 from megatron_rl_bi.reporting.compiles import TritonCompiles
-from megatron_rl_bi.reporting.metrics import MetricsLogger, read_segments, read_step_records
+from megatron_rl_bi.reporting.metrics import MetricsLogger, header_flags, read_run_header, read_segments, read_step_records
 
 
 def test_jsonl_has_a_run_header_and_step_records(tmp_path, capsys):
@@ -135,3 +135,25 @@ def test_a_bi_run_whose_logprobs_differ_names_the_doctors_command_once(capsys):
     default_mode = MetricsLogger(total_steps=1)  # a default-mode run differs by design: no hint
     default_mode.log(1, {"bit_wise/logprob_diff/max": 0.5})
     assert "parity_doctor" not in capsys.readouterr().out
+
+
+def test_a_run_headers_flags_come_back_with_their_types(tmp_path):
+    """What pretrain_rl.py writes (every flag as str()) read back: literals typed, other strings as written."""
+    flags = {"num_layers": 4, "bf16": True, "fp16": False, "num_experts": None, "rotary_percent": 0.5,
+             "moe_layer_freq": [1, 0], "hybrid_layer_pattern": "G*G-", "moe_router_dtype": "fp32",
+             "save": "runs/x", "lr": 1e-06}
+    path = tmp_path / "metrics.jsonl"
+    logger = MetricsLogger(total_steps=1, jsonl_path=str(path), run_config={k: str(v) for k, v in flags.items()},
+                           run_info={"device": "cpu"})
+    logger.log(1, {"loss": 0.5})
+    logger.close()
+    run = read_run_header(str(path))
+    assert run["device"] == "cpu"
+    assert vars(header_flags(run)) == flags
+
+
+def test_a_file_without_a_run_header_has_no_flags(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1}) + "\n")
+    with pytest.raises(ValueError, match="no run header"):
+        read_run_header(str(path))
