@@ -6,10 +6,11 @@ A step's decode must read, at least: the weights once a decode step (the input e
 untied model aside: a step reads a row of it per request), with at least tokens / requests-at-once
 steps; for each generated token the KV cache of its response's earlier tokens in every attention
 layer; and in a hybrid model each GDN layer's states (the conv state and the fp32 recurrent one),
-read and written for each generated token. Each count is a lower bound: the prompts' tokens in the contexts, the prefill and
-everything but HBM reads are left out, and the responses' context reads are counted as if all had
-the mean length (x(x-1)/2 is convex: unequal lengths read more). The floor's seconds are its bytes
-at the device's copy rate (bench/profile_steps.py measures it: an H200's, 4.3e12 bytes a second).
+read and written for each generated token. Each count is a lower bound: the prompts' tokens in
+the contexts, the prefill and everything but HBM reads are left out, and the responses' context
+reads are counted as if all had the mean length (x(x-1)/2 is convex: unequal lengths read more).
+The floor's seconds are its bytes at the device's copy rate (bench/profile_steps.py measures it:
+an H200's, 4.3e12 bytes a second).
 
   python bench/generation_floor.py results/rl_qwen3_4b_8k_h200_fused_rope.jsonl \
       --copy-bytes-per-s 4.3e12 --target-step-s 300 --output results/generation_floor_qwen3_4b_h200.json
@@ -27,6 +28,7 @@ from megatron_rl_bi.config.from_args import model_shape_from_args  # noqa: E402
 from megatron_rl_bi.memory import decode_weight_bytes, gdn_state_bytes_per_request, kv_bytes_per_token  # noqa: E402
 from megatron_rl_bi.reporting.metrics import header_flags, read_run_header, read_step_records  # noqa: E402
 from megatron_rl_bi.reporting.provenance import provenance, stamped_commit  # noqa: E402
+
 
 def context_reads_floor(responses: int, tokens: int) -> float:
     """Earlier tokens read by `tokens` generated tokens over `responses` responses: each token of a

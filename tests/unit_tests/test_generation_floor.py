@@ -96,8 +96,9 @@ def test_a_moe_model_has_no_floor_from_its_planned_weights():
     with pytest.raises(ValueError, match="MoE"):
         generation_floor.read_bytes_per_step_unit(_run("--num-layers", "2", "--num-experts", "4"))
     # the MoE run measured at size
+    measured = read_run_header(f"{REPO}/results/rl_qwen3_30b_a3b_8layers_h200.jsonl")
     with pytest.raises(ValueError, match="MoE"):
-        generation_floor.read_bytes_per_step_unit(read_run_header(f"{REPO}/results/rl_qwen3_30b_a3b_8layers_h200.jsonl"))
+        generation_floor.read_bytes_per_step_unit(measured)
 
 
 # a measured run's file: the bytes of its input embedding when untied (Qwen3.5-9B: 248,320 x 4,096 bf16)
