@@ -20,6 +20,10 @@ def group_advantages(
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [num_groups, group_size], got {tuple(rewards.shape)}")
     centered = rewards - rewards.mean(dim=1, keepdim=True)
+    # Equal rewards center to exactly 0: the float mean of equal values can be an ulp off them
+    # (eight 0.7s), and that residue over a std of the same size is ~0.06, not 0.
+    flat = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
+    centered = torch.where(flat, torch.zeros_like(centered), centered)
     if not normalize_std:
         return centered
     std = rewards.std(dim=1, unbiased=False, keepdim=True)

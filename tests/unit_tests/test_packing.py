@@ -51,6 +51,9 @@ def test_micro_batches_respect_the_token_budget():
     groups = micro_batches(items, max_tokens=7)
     assert [[len(i.tokens) for i in g] for g in groups] == [[3, 4], [2], [9], [1]]
     assert micro_batches([], 5) == []
+    # a first item over the budget is a micro-batch of its own, with no empty one before it
+    first_long = micro_batches([SimpleNamespace(tokens=[0] * n) for n in (9, 2)], max_tokens=7)
+    assert [[len(i.tokens) for i in g] for g in first_long] == [[9], [2]]
 
 
 def test_completion_mask_by_predicting_position():

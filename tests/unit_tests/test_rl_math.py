@@ -24,12 +24,31 @@ def test_group_advantages_worked_example():
         group_advantages(torch.zeros(4))
 
 
+def test_a_group_of_equal_rewards_gets_exactly_zero_advantage():
+    """Eight rewards of 0.7 (a task reward of 1 shaped by -0.3): their float32 mean is 1 ulp
+    (5.96e-8) off 0.7, and so is their population std, so centered / (std + 1e-6) was
+    5.96e-8 / 1.0596e-6 = 0.056 for every completion: a push towards all of them. Exactly 0."""
+    flat = torch.full((1, 8), 0.7)
+    assert torch.equal(group_advantages(flat), torch.zeros(1, 8))
+    assert torch.equal(group_advantages(flat, normalize_std=False), torch.zeros(1, 8))
+    # the other groups of the batch keep theirs: [1, 0] -> +-0.5 / (0.5 + 1e-6)
+    mixed = group_advantages(torch.tensor([[0.7] * 8, [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0]]))
+    assert torch.equal(mixed[0], torch.zeros(8))
+    assert mixed[1].tolist() == pytest.approx([0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6)] * 4)
+
+
 def test_overlong_penalty_docstring_values():
     lengths = torch.tensor([10, 16, 18, 20, 25])
     assert overlong_penalty(lengths, 20, 4).tolist() == [0.0, 0.0, -0.5, -1.0, -1.0]
     assert overlong_penalty(lengths, 20, 4, penalty=0.5).tolist()[2] == -0.25
     with pytest.raises(ValueError, match="overlong buffer"):
         overlong_penalty(lengths, 20, 0)
+
+
+def test_overlong_penalty_refuses_a_zero_budget():
+    """A budget of 0 would shape over a buffer of 0 tokens: (0 - 0) / 0 is a NaN reward."""
+    with pytest.raises(ValueError, match=r"budgets > 0, got \[20.0, 0.0\]"):
+        overlong_penalty(torch.tensor([3, 0]), torch.tensor([20, 0]), 4)
 
 
 def test_overlong_penalty_per_budget():
@@ -53,6 +72,7 @@ def test_safe_reward_counts_a_crashing_verifier():
     assert safe_reward(broken, "ok") == (0.0, "raised")
     assert safe_reward(lambda c: None, "ok") == (0.0, "raised")  # not a number
     assert safe_reward(lambda c: "1", "ok") == (0.0, "raised")  # text, though float() reads it
+    assert safe_reward(lambda c: b"1", "ok") == (0.0, "raised")  # bytes too: float(b"1") is 1.0
     assert safe_reward(lambda c: True, "ok") == (1.0, None)  # a bool is a number
 
 
@@ -137,6 +157,16 @@ def test_fully_masked_batch_and_non_finite_padding_give_zero_not_nan():
     assert torch.equal(inputs.logprobs.grad, torch.zeros(2, dtype=torch.float64))
 
 
+def test_entropy_outside_completions_cannot_make_the_loss_nan():
+    """Padding positions may hold anything, the entropy included: a NaN there weighs nothing.
+    On-policy, advantage 0: loss = -0.01 * 0.7 (the one counted token's entropy bonus)."""
+    inputs = _inputs([-1.0, -1.0], [-1.0, -1.0], [0.0, 0.0], weights=[1.0, 0.0],
+                     entropy=[0.7, float("nan")])
+    loss, metrics = policy_loss(inputs, LossConfig(entropy_weight=0.01))
+    assert loss.item() == pytest.approx(-0.007)
+    assert metrics["entropy"].item() == pytest.approx(0.7)
+
+
 def test_token_weights_token_and_sequence_aggregation():
     mask = torch.tensor([False, True, True, False, True])
     seq = torch.tensor([0, 0, 0, 1, 1])
@@ -146,6 +176,26 @@ def test_token_weights_token_and_sequence_aggregation():
     assert per_seq.tolist() == pytest.approx([0, 1 / 4, 1 / 4, 0, 1 / 2])
     with pytest.raises(ValueError, match="aggregation mean"):
         token_weights(mask, seq, "mean", 3, 2)
+
+
+def test_token_weights_divide_by_the_global_counts_not_this_micro_batchs():
+    """This micro-batch holds 3 of the mini-batch's 6 completion tokens and 2 of its 4 completions:
+    'token' 1/6 each; 'sequence' 1 / (2 tokens * 4) and 1 / (1 token * 4)."""
+    mask = torch.tensor([False, True, True, False, True])
+    seq = torch.tensor([0, 0, 0, 1, 1])
+    tok = token_weights(mask, seq, "token", global_tokens=6, global_sequences=4)
+    assert tok.tolist() == pytest.approx([0, 1 / 6, 1 / 6, 0, 1 / 6])
+    per_seq = token_weights(mask, seq, "sequence", global_tokens=6, global_sequences=4)
+    assert per_seq.tolist() == pytest.approx([0, 1 / 8, 1 / 8, 0, 1 / 4])
+
+
+def test_sequence_weights_of_a_completion_without_tokens_are_zero_not_nan():
+    """Sequence 1 has no completion token (a prompt alone): its length 0 is clamped to 1, so its
+    positions weigh 0 / 1 = 0, not 0 / 0; sequence 0's two tokens weigh 1 / (2 * 2) each."""
+    mask = torch.tensor([False, True, True, False, False])
+    seq = torch.tensor([0, 0, 0, 1, 1])
+    weights = token_weights(mask, seq, "sequence", global_tokens=2, global_sequences=2)
+    assert torch.equal(weights, torch.tensor([0.0, 0.25, 0.25, 0.0, 0.0]))
 
 
 def test_micro_batch_split_sums_to_the_full_batch_loss():

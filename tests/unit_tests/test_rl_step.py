@@ -3,6 +3,7 @@ stand-in for Megatron's DDP model and optimizer. Checks the plumbing that the GP
 parity over engine-reported positions, the loss against a hand-computed value, the old-logprob
 path of several updates, the TIS shadow loss, and the skipped step."""
 
+import dataclasses
 import json
 import time
 import types
@@ -205,3 +206,80 @@ def test_trainer_logprobs_follow_the_sampling_temperature(one_rank):
     other = train_on_rollouts(model, SGD(model), _rollouts(model, [1.0, -1.0], temperature=0.7),
                               StepConfig(micro_batch_tokens=100))
     assert other["bit_wise/ratio_tokens_different"] == 1.0
+
+
+def test_token_aggregation_divides_by_the_sampled_tokens_of_every_micro_batch(one_rank):
+    """A conversation (prompt 3 tokens; 4 completion tokens, the middle 2 an environment's) with
+    advantage 1 and a plain rollout (3 completion tokens) with 0.5, one micro-batch each. At ratio
+    1 the loss is minus the token mean of the advantage over the 2 + 3 sampled tokens:
+    -(2 * 1 + 3 * 0.5) / 5 = -0.7 (not / 7 with the environment's tokens counted, nor -1 - 0.5
+    with each micro-batch's own count)."""
+    model = TinyDDP()
+    conversation = Generation([1, 2, 3], [4, 5, 6, 7], [0.0] * 4, completion_sampled=[True, False, False, True])
+    rollouts = [Rollout(conversation, reward=0.0, group_id=0, weight_version=0, advantage=1.0),
+                Rollout(Generation([6], [7, 8, 9], [0.0] * 3), reward=0.0, group_id=0, weight_version=0,
+                        advantage=0.5)]
+    metrics = train_on_rollouts(model, SGD(model), rollouts, StepConfig(aggregation="token", micro_batch_tokens=5))
+    assert metrics["micro_batches"] == 2 and metrics["bit_wise/tokens"] == 5
+    assert metrics["loss"] == pytest.approx(-0.7)
+
+
+def test_each_rank_normalizes_by_the_counts_of_all_ranks(one_rank, monkeypatch):
+    """Two ranks holding the same rollouts, made by an all-reduce that doubles every sum: 10
+    completion tokens in all, so this rank's share of the loss is -(2 * 1 + 3 * 0.5) / 10 and the
+    pooled loss the one-rank -0.7 (with this rank's own count of 5 it would pool to -1.4)."""
+    def two_equal_ranks(tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        if op == torch.distributed.ReduceOp.SUM:
+            tensor.mul_(2)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", two_equal_ranks)
+    model = TinyDDP()
+    metrics = train_on_rollouts(model, SGD(model), _rollouts(model, advantages=[1.0, 0.5]),
+                                StepConfig(aggregation="token", micro_batch_tokens=5))
+    assert metrics["bit_wise/tokens"] == 10 and metrics["micro_batches"] == 4
+    assert metrics["loss"] == pytest.approx(-0.7)
+
+
+class RecordingSGD(SGD):
+    def __init__(self, model, lr):
+        super().__init__(model)
+        self.inner.param_groups[0]["lr"] = lr
+        self.norms = []
+
+    def step(self):
+        result = super().step()
+        self.norms.append(result[1])
+        return result
+
+
+def test_each_update_has_its_own_gradient_and_the_logged_norm_is_their_mean(one_rank):
+    """Two updates on two copies of one rollout at learning rate 0 (the weights do not move): the
+    second update's gradient is the first's again, not the two added up, and the logged grad norm
+    is the mean of the two (equal) norms."""
+    model = TinyDDP()
+    rollout = _rollouts(model, advantages=[1.0, -1.0])[0]
+    optimizer = RecordingSGD(model, lr=0.0)
+    metrics = train_on_rollouts(model, optimizer, [rollout, dataclasses.replace(rollout)],
+                                StepConfig(updates_per_step=2))
+    first, second = optimizer.norms
+    assert first > 0 and second == first
+    assert metrics["grad_norm"] == pytest.approx(first)
+
+
+def test_one_update_takes_the_ratios_denominator_from_its_own_forward(one_rank, monkeypatch):
+    """With one update the old logprobs are the training forward's own, detached: one forward per
+    micro-batch (2 here). With two updates a first pass over all rollouts computes them: 2 + 2."""
+    forwards = []
+
+    def counting_forward_logprobs(*args, **kwargs):
+        forwards.append(1)
+        return forward_logprobs(*args, **kwargs)
+
+    monkeypatch.setattr(step, "forward_logprobs", counting_forward_logprobs)
+    model = TinyDDP()
+    rollouts = _rollouts(model, advantages=[1.0, -1.0])
+    train_on_rollouts(model, SGD(model), rollouts, StepConfig(micro_batch_tokens=5))
+    assert len(forwards) == 2
+    forwards.clear()
+    train_on_rollouts(model, SGD(model), rollouts, StepConfig(micro_batch_tokens=5, updates_per_step=2))
+    assert len(forwards) == 4

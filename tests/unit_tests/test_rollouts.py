@@ -83,6 +83,10 @@ def test_dynamic_sampling_drops_flat_groups_and_refills():
     assert len({seed for _, seed in generator.calls}) == 3  # each round samples with a new seed
     assert stats["rollouts/groups_dropped"] == 3 and stats["rollouts/rounds"] == 3
     assert stats["rollouts/verifier_failures"] == 2
+    # task reward over all 10 generated, dropped too: 2 (prompt 0) + 0 + 0 + 1 + 1 = 4 -> 0.4;
+    # over the 4 trained on: 2 / 4
+    assert stats["reward/task_mean"] == pytest.approx(0.4)
+    assert stats["reward/trained_mean"] == pytest.approx(0.5)
     assert source.position == 5
 
 
@@ -103,6 +107,16 @@ def test_overlong_shaping_penalizes_long_completions():
     assert [r.reward for r in groups[0]] == [0.5, -1.0, 0.0]
     assert [r.truncated for r in groups[0]] == [False, True, False]
     assert stats["reward/task_mean"] == pytest.approx(1 / 3)  # unshaped task reward
+
+
+def test_advantages_are_of_the_shaped_rewards_and_centered_only_without_std():
+    """The shaped rewards of the test above, [0.5, -1, 0] (task [1, 0, 1]), under
+    --rl-no-advantage-std: minus their mean -1/6 -> [2/3, -5/6, 1/6]."""
+    generator = ScriptedGenerator({0: ["ok$", "okkk", "o$"]})
+    config = RolloutConfig(prompts_per_step=1, group_size=3, overlong_buffer=2, normalize_std=False)
+    groups, _ = _collect(generator, PromptSource(ScriptedTask(), 0), TOK, SAMPLING, config,
+                         weight_version=0)
+    assert [r.advantage for r in groups[0]] == pytest.approx([2 / 3, -5 / 6, 1 / 6])
 
 
 def test_step_packing_aligns_advantages_and_engine_logprobs(monkeypatch):
