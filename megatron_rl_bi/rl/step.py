@@ -200,6 +200,7 @@ def train_on_rollouts(
         old = _old_logprobs(ddp, rollouts, config.micro_batch_tokens, config.temperature, compared)
     no_tis = dataclasses.replace(config.loss, tis_cap=None) if config.loss.tis_cap is not None else None
     loss_terms, grad_norm, steps, optimizer_s = MetricTerms(), 0.0, 0, 0.0
+    taken = int((counts[:, 0] > 0).sum())  # the logged loss and norm: means over the updates taken
     for update, minibatch in enumerate(minibatches):
         if counts[update, 0] == 0:
             continue
@@ -210,16 +211,16 @@ def train_on_rollouts(
             metrics = _micro_batch_loss(ddp, micro, counts[update], old, compared, config,
                                         ref_model, no_tis)
             for name, value in metrics.items():  # shares of global means: they add up
-                loss_terms.sums[name] = loss_terms.sums.get(name, 0.0) + value.item() / num_updates
+                loss_terms.sums[name] = loss_terms.sums.get(name, 0.0) + value.item() / taken
             loss_terms.sums["micro_batches"] = loss_terms.sums.get("micro_batches", 0) + 1  # over ranks
         for name, value in router_loss_sums().items():  # MoE: a mean over the micro-batches
-            loss_terms.sums[name] = loss_terms.sums.get(name, 0.0) + value / counts[update, 3].item() / num_updates
+            loss_terms.sums[name] = loss_terms.sums.get(name, 0.0) + value / counts[update, 3].item() / taken
         ddp.finish_grad_sync()
         lr = optimizer.param_groups[0]["lr"]
         optimizer_start = _synchronized_time()
         _, norm, _ = optimizer.step()
         optimizer_s += _synchronized_time() - optimizer_start
-        grad_norm += (0.0 if norm is None else float(norm)) / num_updates  # a tensor with TE
+        grad_norm += (0.0 if norm is None else float(norm)) / taken  # a tensor with TE
         steps += 1
         if lr_scheduler is not None:
             lr_scheduler.step(increment=1)

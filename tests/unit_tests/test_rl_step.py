@@ -155,6 +155,19 @@ def test_an_empty_mini_batch_is_skipped_not_fatal(one_rank):
     assert metrics["bit_wise/tokens"] == 2
 
 
+def test_a_skipped_update_does_not_dilute_the_logged_loss_and_norm(one_rank):
+    """One rollout, two updates: the second mini-batch is empty and skipped; the loss and grad norm
+    logged are the update taken's, as with one update (not halved by the skipped one)."""
+    model = TinyDDP()
+    rollout = _rollouts(model, advantages=[1.0, -1.0])[:1]
+    two = train_on_rollouts(model, RecordingSGD(model, lr=0.0), rollout, StepConfig(updates_per_step=2))
+    one = train_on_rollouts(model, RecordingSGD(model, lr=0.0), rollout, StepConfig(updates_per_step=1))
+    assert two["update_skipped"] == 0.5 and one["update_skipped"] == 0.0
+    # ratio 1: the loss is minus the one completion's advantage
+    assert two["loss"] == pytest.approx(-1.0) and one["loss"] == pytest.approx(-1.0)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"]) and one["grad_norm"] > 0
+
+
 class SlowSGD(SGD):
     def step(self):
         time.sleep(0.2)
