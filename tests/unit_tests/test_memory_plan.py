@@ -11,7 +11,7 @@ import pytest
 
 from megatron_rl_bi import bi, memory
 from megatron_rl_bi.config import parse_rl_args
-from megatron_rl_bi.config.from_args import model_shape_from_args
+from megatron_rl_bi.config.from_args import levers_from_args, memory_run_from_args, model_shape_from_args
 from megatron_rl_bi.memory import (
     GENERATION,
     GIB,
@@ -52,6 +52,11 @@ BUILT = {
         "--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "48", "--num-attention-heads", "4",
         "--swiglu", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24",
         "--moe-layer-freq", "[1,0]"],
+    # --moe-shared-expert-gate without a shared expert: no gate is built
+    "dense-MoE, a shared expert's gate flag without one": [
+        "--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "48", "--num-attention-heads", "4",
+        "--swiglu", "--disable-bias-linear", "--num-experts", "2", "--moe-router-topk", "2",
+        "--moe-shared-expert-gate"],
     "hybrid GDN-MoE, top 1, gated shared expert": [
         "--hybrid-layer-pattern", "GE*E", "--hidden-size", "32", "--ffn-hidden-size", "48", "--disable-bias-linear",
         "--num-attention-heads", "4", "--kv-channels", "8", "--num-experts", "3", "--moe-router-topk", "1",
@@ -104,6 +109,10 @@ def test_moe_activations_by_hand():
     # and log-sum-exp 4
     moe = dataclasses.replace(moe, shared_ffn=8, router_bytes=4, load_balancing_loss=True, z_loss=True)
     assert memory.activation_bytes_per_token(moe, "E") == 176 + 80 + 4 + 12 + 16
+    # the load-balancing loss's softmax is fp32 with a bf16 router too (megatron-core's
+    # compute_routing_scores_for_aux_loss: softmax(dtype=float32)): 3 * 4 beside the 176
+    bf16_router = dataclasses.replace(DENSE, layers=("*E",), experts=3, topk=2, expert_ffn=2, load_balancing_loss=True)
+    assert memory.activation_bytes_per_token(bf16_router, "E") == 176 + 12
 
 
 def test_activations_by_hand():
@@ -148,6 +157,8 @@ def test_lm_head_by_hand(monkeypatch):
     assert logits_bytes(DENSE, 10) == 10 * 4 * 8 + 10 * 16 * 16
     monkeypatch.setattr(memory, "LOGITS_CHUNK_ELEMENTS", 48)  # 3 rows a chunk
     assert logits_bytes(DENSE, 10) == 10 * 4 * 8 + 3 * 16 * 16
+    monkeypatch.setattr(memory, "LOGITS_CHUNK_ELEMENTS", 8)  # fewer than a row's 16: one row a chunk (logprobs' too)
+    assert logits_bytes(DENSE, 10) == 10 * 4 * 8 + 1 * 16 * 16
 
 
 def test_kv_cache_by_hand():
@@ -213,6 +224,10 @@ def test_plan_by_hand_with_generators_apart():
     by_fraction = plan_memory(dataclasses.replace(_run(gpu=20_000), role="generator"), Levers(kv_cache_fraction=0.5))
     assert by_fraction.item("KV cache + GDN states").bytes == int(0.5 * (20_000 - 2 * params))
     assert "engine: the cache holds" not in memory.format_plan(trainer)
+    # nor host memory for an optimizer it does not have, whatever the optimizer's levers
+    for levers in (Levers(offload_optimizer_during_inference=True), Levers(optimizer_cpu_offload=True)):
+        apart = plan_memory(dataclasses.replace(_run(), role="generator"), levers)
+        assert apart.host_optimizer_bytes == 0 and "host: the optimizer" not in memory.format_plan(apart)
 
 
 def test_optimizer_step_by_hand(monkeypatch):
@@ -234,6 +249,9 @@ def test_optimizer_step_by_hand(monkeypatch):
 def test_kv_cache_sized_by_fraction_of_what_generation_leaves():
     plan = plan_memory(_run(gpu=20_000), Levers(kv_cache_fraction=0.5))
     assert plan.item("KV cache + GDN states").bytes == int(0.5 * (20_000 - 18 * 372))
+    # a state larger than the GPU (18 * 372 = 6696 > 5000) leaves none: a cache of 0, not a negative one
+    assert plan_memory(_run(gpu=5000), Levers(kv_cache_fraction=0.5)).item("KV cache + GDN states").bytes == 0
+    assert memory.kv_cache_bytes(-100, Levers(kv_cache_fraction=0.5), _run().engine) == 0
 
 
 def test_what_the_gpu_holds_beyond_torch_is_not_free_for_tensors():
@@ -302,6 +320,11 @@ def test_requests_the_cache_holds_and_generation_waves():
     assert (small.requests_at_once, small.generation_waves) == (2, 5)
     assert any(text.startswith("--inference-dynamic-batching-max-requests 2: the cache holds 2 requests")
                for text in small.suggestions)
+    # 100 bytes: 3 blocks, 2 usable, fewer than one request's 4: no request at once, no waves,
+    # and no suggestion of 0 request slots
+    none = plan_memory(dataclasses.replace(_run(buffer=100), requests=10), Levers())
+    assert (none.requests_at_once, none.generation_waves) == (0, 0)
+    assert not [text for text in none.suggestions if text.startswith("--inference-dynamic-batching-max-requests")]
 
 
 def test_the_tool_prints_and_writes_the_plan(tmp_path, monkeypatch, capsys):
@@ -402,6 +425,15 @@ def test_recompute_of_several_layers_a_chunk_by_hand():
     assert activation_bytes(four, 10, Recompute("full", "block", 3)) == 3 * 80 + 1640
 
 
+def test_block_recompute_holds_the_first_layers_recomputed_not_the_kept_ones():
+    """A hybrid "-*" pattern: an MLP layer of 100 bytes a token, then attention of 64 (as in
+    test_activations_by_hand), 10 tokens: 1000 and 640 bytes. Block, 1 layer: the MLP checkpointed
+    (its input 10 * 4 * 2 = 80) and attention kept: 80 + 640 = 720 through the forward; the MLP
+    recomputed in the backward, 80 + 1000 = 1080, the larger."""
+    mixed = dataclasses.replace(DENSE, layers=tuple("-*"))
+    assert activation_bytes(mixed, 10, Recompute("full", "block", 1)) == 80 + 1000
+
+
 def test_cuda_graphs_hold_a_decode_steps_fp32_logits_while_generating():
     params, run = 372, _run()
     graphed = dataclasses.replace(run, engine=dataclasses.replace(run.engine, cuda_graphs=True))
@@ -409,6 +441,10 @@ def test_cuda_graphs_hold_a_decode_steps_fp32_logits_while_generating():
     assert plan.item("engine logits buffer").bytes == 4 * 16 * 4  # 4 requests, 16 logits, fp32
     assert plan.phase_bytes(GENERATION) == 18 * params + 1000 + 256
     assert plan.phase_bytes(TRAINING) == 18 * params + 1000 + 3280 + 2880
+    # a cache by fraction takes its share of what the state and the logits buffer leave:
+    # 0.5 * (20,000 - 18 * 372 - 256) = 6524
+    graphed = dataclasses.replace(graphed, gpu_bytes=20_000)
+    assert plan_memory(graphed, Levers(kv_cache_fraction=0.5)).item("KV cache + GDN states").bytes == 6524
 
 
 def test_a_node_whose_memory_cannot_hold_its_processes_optimizers_is_named():
@@ -426,6 +462,8 @@ def test_a_node_whose_memory_cannot_hold_its_processes_optimizers_is_named():
     assert warning.startswith("warning: the optimizers of this node's 1 training process(es) take 115.4 GiB of its "
                               "125.0 GiB of host memory (92%)")
     assert host_memory_warning(40 * GIB, 4, 125 * GIB) is None  # does not fit: the problem says so
+    assert host_memory_warning(17 * GIB, 1, 20 * GIB) is None  # exactly 85%: within the share
+    assert host_memory_warning(17 * GIB + 1, 1, 20 * GIB) is not None
 
 
 @pytest.mark.parametrize("limit,expected", [("1048576\n", 1 << 20), ("max\n", None), (str(1 << 62), None),
@@ -461,3 +499,82 @@ def test_fewer_recomputed_layers_where_training_stays_within_the_peak():
                 if "layers recomputed" in text]  # nothing recomputed: nothing to spare
     over = plan_memory(_run(buffer=5000, gpu=10_000), uniform)  # does not fit: less recompute is no help
     assert not [text for text in over.suggestions if "layers recomputed" in text]
+    # training's peak equal to the peak is within it: a cache of 4600 makes generation 6696 + 4600 = 11296,
+    # block 1's training
+    at_peak = [text for text in plan_memory(_run(buffer=4600), uniform).suggestions if "layers recomputed" in text]
+    assert at_peak[0].startswith("--recompute-method block --recompute-num-layers 1: 1 of 2 layers recomputed")
+
+
+def test_fewer_recomputed_layers_under_block_recompute_counts_from_the_layers_it_recomputes():
+    """Block, 1 of DENSE's 2 layers recomputed (training 11296 bytes, as above): only fewer than 1
+    can be suggested, none (12856) where the peak is 11696 (a cache of 5000), not the 1 it is."""
+    block = Levers(recompute=Recompute("full", "block", 1), kv_cache_mode="recompute")
+    suggested = {buffer: [text for text in plan_memory(_run(buffer=buffer), block).suggestions
+                          if "layers recomputed" in text] for buffer in (5000, 7000)}
+    assert suggested[5000] == []
+    assert suggested[7000][0].startswith("no --recompute-granularity: 0 of 2 layers recomputed, not 1,")
+
+
+def test_fp32_weights_have_no_fp32_main_copy_in_the_optimizer():
+    # fp32 parameters: Adam's two moments only, 8 bytes a parameter; bf16 ones add the main copy, 12
+    fp32 = dataclasses.replace(DENSE, param_bytes=4)
+    assert memory.optimizer_bytes(372, fp32, Levers(), 1) == 8 * 372
+    assert memory.optimizer_bytes(372, DENSE, Levers(), 1) == 12 * 372
+    assert plan_memory(_run(shape=fp32), Levers()).item("optimizer").bytes == 8 * 372
+
+
+def test_a_micro_batch_shorter_than_the_longest_sequence_trains_that_sequence():
+    """--rl-micro-batch-tokens 4, --inference-max-seq-length 8: a sequence of 8 tokens is a
+    micro-batch of its own. Activations 8 tokens * 2 layers * 164 = 2624; LM head 8 * 4 * 8 + 8
+    rows * 16 * 16 = 2304."""
+    plan = plan_memory(_run(tokens=4), Levers())
+    assert plan.item("activations").bytes == 2624 and plan.item("LM head").bytes == 2304
+    assert plan.item("activations").note.startswith("8 tokens")
+
+
+def test_a_halved_micro_batch_is_suggested_no_shorter_than_the_longest_sequence():
+    # 10 tokens halved are 5, fewer than one sequence of --inference-max-seq-length 8: 8 is suggested
+    suggested = [text for text in plan_memory(_run(), Levers()).suggestions if text.startswith("--rl-micro-batch")]
+    assert suggested[0].startswith("--rl-micro-batch-tokens 8: peak")
+
+
+MODEL_FLAGS = COMMON + BUILT["dense, tied"]
+
+
+def test_the_params_dtype_sets_a_parameters_bytes():
+    for flags, expected in (([], 4), (["--bf16"], 2), (["--fp16"], 2)):
+        assert model_shape_from_args(parse_rl_args(MODEL_FLAGS + flags), 50).param_bytes == expected
+
+
+def test_the_load_balancing_loss_is_counted_where_megatron_core_enables_it():
+    """TopKRouter.is_aux_loss_enabled: aux_loss, seq_aux_loss or global_aux_loss with a coefficient > 0."""
+    moe = MODEL_FLAGS + ["--num-experts", "4", "--moe-router-topk", "2"]
+
+    def counted(*flags):
+        return model_shape_from_args(parse_rl_args(moe + list(flags)), 50).load_balancing_loss
+
+    assert not counted()  # aux_loss of coefficient 0, Megatron's default
+    for kind in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
+        assert counted("--moe-router-load-balancing-type", kind, "--moe-aux-loss-coeff", "0.01")
+    assert not counted("--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.01")
+    two = ["--moe-router-load-balancing-type", "seq_aux_loss", "global_aux_loss", "--moe-aux-loss-coeff"]
+    assert counted(*two, "0", "0.01") and not counted(*two, "0", "0")
+
+
+def test_the_levers_and_the_run_are_read_from_their_flags():
+    def levers(*flags):
+        return levers_from_args(parse_rl_args(MODEL_FLAGS + list(flags)))
+
+    assert levers() == Levers()  # --grpo-kl-beta 0: no reference model
+    assert levers("--grpo-kl-beta", "0.01") == Levers(reference_model=True)
+    assert levers("--bf16", "--rl-offload-optimizer-during-inference") == Levers(
+        offload_optimizer_during_inference=True)
+    assert levers("--optimizer-cpu-offload", "--use-precision-aware-optimizer") == Levers(optimizer_cpu_offload=True)
+    # full recompute without --recompute-num-layers (megatron-core refuses it only when it builds
+    # the model) is planned as 1 layer a chunk, not a chunk of none
+    assert levers("--recompute-granularity", "full", "--recompute-method", "uniform").recompute == Recompute(
+        "full", "uniform", 1)
+    # each rank generates its prompts x the group size
+    run = memory_run_from_args(parse_rl_args(MODEL_FLAGS + ["--grpo-prompts-per-step", "3", "--grpo-group-size", "5"]),
+                               50, 2, 1000)
+    assert (run.requests, run.data_parallel, run.gpu_bytes, run.role) == (15, 2, 1000, "colocated")
