@@ -12,6 +12,8 @@ two with rewards [1, 0] gets [1, -1].
 
 import torch
 
+from megatron_rl_bi.rl.rewards import groups_with_signal
+
 
 def group_advantages(
     rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6
@@ -22,8 +24,8 @@ def group_advantages(
     centered = rewards - rewards.mean(dim=1, keepdim=True)
     # Equal rewards center to exactly 0: the float mean of equal values can be an ulp off them
     # (eight 0.7s), and that residue over a std of the same size is ~0.06, not 0.
-    flat = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
-    centered = torch.where(flat, torch.zeros_like(centered), centered)
+    signal = groups_with_signal(rewards).unsqueeze(1)
+    centered = torch.where(signal, centered, torch.zeros_like(centered))
     if not normalize_std:
         return centered
     std = rewards.std(dim=1, unbiased=False, keepdim=True)
