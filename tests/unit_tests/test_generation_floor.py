@@ -32,6 +32,13 @@ def _run(*flags):
             "memory_plan": {"requests_at_once": 4}}
 
 
+def _floor_tool(metrics, output) -> subprocess.CompletedProcess:
+    """bench/generation_floor.py on `metrics` at 10 bytes a second."""
+    return subprocess.run([sys.executable, os.path.join(REPO, "bench", "generation_floor.py"), str(metrics),
+                           "--copy-bytes-per-s", "10", "--output", str(output)],
+                          capture_output=True, text=True, cwd=REPO)
+
+
 def test_the_context_reads_floor_is_that_of_responses_of_the_mean_length():
     # two responses of 3 tokens read 0 + 1 + 2 earlier tokens each: 6; of 2 and 4 tokens, 1 + 6 = 7
     assert generation_floor.context_reads_floor(2, 6) == 6.0
@@ -81,9 +88,7 @@ def test_the_report_of_a_metrics_file(tmp_path):
             "time/training_s": 3.0}
     metrics.write_text(json.dumps({"run": _run("--num-layers", "2")}) + "\n" + json.dumps(step) + "\n")
     output = tmp_path / "floor.json"
-    done = subprocess.run([sys.executable, os.path.join(REPO, "bench", "generation_floor.py"), str(metrics),
-                           "--copy-bytes-per-s", "10", "--output", str(output)],
-                          capture_output=True, text=True, cwd=REPO)
+    done = _floor_tool(metrics, output)
     assert done.returncode == 0, done.stderr
     report = json.loads(output.read_text())
     assert report["requests_at_once"] == 4 and report["run_device"] == "NVIDIA H200" and "source_hash" in report
@@ -116,7 +121,5 @@ def test_a_measured_runs_header_gives_back_the_weights_it_planned(name):
 def test_a_file_without_a_planned_run_header_is_an_error(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text(json.dumps({"run": {"device": "x", "config": {}}}) + "\n" + json.dumps({"step": 1}) + "\n")
-    done = subprocess.run([sys.executable, os.path.join(REPO, "bench", "generation_floor.py"), str(metrics),
-                           "--copy-bytes-per-s", "10", "--output", str(tmp_path / "floor.json")],
-                          capture_output=True, text=True, cwd=REPO)
+    done = _floor_tool(metrics, tmp_path / "floor.json")
     assert done.returncode != 0 and "its run header has no memory plan" in done.stderr

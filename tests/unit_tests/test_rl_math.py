@@ -167,26 +167,24 @@ def test_entropy_outside_completions_cannot_make_the_loss_nan():
     assert metrics["entropy"].item() == pytest.approx(0.7)
 
 
-def test_token_weights_token_and_sequence_aggregation():
+@pytest.mark.parametrize("global_tokens, global_sequences, per_token, per_sequence", [
+    # this micro-batch is the whole mini-batch: 3 tokens, 2 completions of 2 and 1 tokens;
+    # 'sequence' 1 / (2 tokens * 2) and 1 / (1 token * 2)
+    (3, 2, 1 / 3, (1 / 4, 1 / 2)),
+    # it holds 3 of the mini-batch's 6 tokens and 2 of its 4 completions: the weights divide by the
+    # global counts, not this micro-batch's: 'token' 1/6; 'sequence' 1 / (2 * 4) and 1 / (1 * 4)
+    (6, 4, 1 / 6, (1 / 8, 1 / 4)),
+])
+def test_token_weights_token_and_sequence_aggregation(global_tokens, global_sequences, per_token, per_sequence):
     mask = torch.tensor([False, True, True, False, True])
     seq = torch.tensor([0, 0, 0, 1, 1])
-    tok = token_weights(mask, seq, "token", global_tokens=3, global_sequences=2)
-    assert tok.tolist() == pytest.approx([0, 1 / 3, 1 / 3, 0, 1 / 3])
-    per_seq = token_weights(mask, seq, "sequence", global_tokens=3, global_sequences=2)
-    assert per_seq.tolist() == pytest.approx([0, 1 / 4, 1 / 4, 0, 1 / 2])
+    tok = token_weights(mask, seq, "token", global_tokens=global_tokens, global_sequences=global_sequences)
+    assert tok.tolist() == pytest.approx([0, per_token, per_token, 0, per_token])
+    per_seq = token_weights(mask, seq, "sequence", global_tokens=global_tokens, global_sequences=global_sequences)
+    first, second = per_sequence
+    assert per_seq.tolist() == pytest.approx([0, first, first, 0, second])
     with pytest.raises(ValueError, match="aggregation mean"):
-        token_weights(mask, seq, "mean", 3, 2)
-
-
-def test_token_weights_divide_by_the_global_counts_not_this_micro_batchs():
-    """This micro-batch holds 3 of the mini-batch's 6 completion tokens and 2 of its 4 completions:
-    'token' 1/6 each; 'sequence' 1 / (2 tokens * 4) and 1 / (1 token * 4)."""
-    mask = torch.tensor([False, True, True, False, True])
-    seq = torch.tensor([0, 0, 0, 1, 1])
-    tok = token_weights(mask, seq, "token", global_tokens=6, global_sequences=4)
-    assert tok.tolist() == pytest.approx([0, 1 / 6, 1 / 6, 0, 1 / 6])
-    per_seq = token_weights(mask, seq, "sequence", global_tokens=6, global_sequences=4)
-    assert per_seq.tolist() == pytest.approx([0, 1 / 8, 1 / 8, 0, 1 / 4])
+        token_weights(mask, seq, "mean", global_tokens, global_sequences)
 
 
 def test_sequence_weights_of_a_completion_without_tokens_are_zero_not_nan():
